@@ -1,0 +1,128 @@
+"""User-facing configuration: frozen, keyword-only dataclasses.
+
+A `Config` says how a model is split into units, which ZeRO stage to run and how the
+optimizer behaves. Stages 1, 2 and 3 are not separate code paths: they are different
+settings of the same passes (see `fxzero/passes/README.md`):
+
+====== ======================== =========================== =========================
+stage  parameters between uses  gradients after backward    optimizer states
+====== ======================== =========================== =========================
+1      full, persistent         full flat buffer kept;      this rank's shard
+                                rank's slice reduced
+2      full, persistent         shard only (full freed)     this rank's shard
+3      shard; gathered per use  shard only                  this rank's shard
+====== ======================== =========================== =========================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Literal, Union
+
+import torch.nn as nn
+
+__all__ = ["AdamW", "Config", "UnitsPolicy"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitsPolicy:
+    """How parameters are grouped into units, the granularity of sharding (like FSDP wrapping).
+
+    By default every item of an `nn.ModuleList` or `nn.Sequential` whose items hold parameters
+    is a unit ("blocks"); parameters outside any unit form the root unit. Any of the fields
+    below, when set, replaces that default: a module becomes its own unit when it matches.
+    Matching is outermost-first: a module inside a unit is part of that unit.
+    """
+
+    module_classes: tuple[type[nn.Module], ...] = ()
+    """Modules of these classes (isinstance) each form a unit."""
+
+    fqn_prefixes: tuple[str, ...] = ()
+    """Modules whose fully qualified name equals one of these each form a unit."""
+
+    predicate: Callable[[str, nn.Module], bool] | None = None
+    """`predicate(fqn, module) -> bool`; modules for which it is true each form a unit."""
+
+    def __post_init__(self) -> None:
+        for cls in self.module_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise TypeError(
+                    f"UnitsPolicy.module_classes must hold nn.Module subclasses, got {cls!r}; "
+                    "pass the class itself, e.g. module_classes=(MyBlock,)"
+                )
+        if self.predicate is not None and not callable(self.predicate):
+            raise TypeError("UnitsPolicy.predicate must be callable as predicate(fqn, module)")
+
+    @property
+    def is_default(self) -> bool:
+        return not (self.module_classes or self.fqn_prefixes or self.predicate)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamW:
+    """AdamW with the semantics of `torch.optim.AdamW` (decoupled weight decay)."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: float = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = 1e-2
+    """Decoupled weight decay, applied as p *= 1 - lr * weight_decay."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0.0:
+            raise ValueError(f"AdamW.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"AdamW.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps >= 0.0:
+            raise ValueError(f"AdamW.eps must be >= 0, got {self.eps}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"AdamW.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything `fxzero.compile` needs besides the model."""
+
+    stage: Literal[1, 2, 3] = 3
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    units: UnitsPolicy = UnitsPolicy()
+    """How parameters are grouped into units (the sharding granularity)."""
+    optimizer: AdamW = AdamW()
+    """The optimizer run on each rank's shard."""
+    seed: int = 0
+    """Seed for initializing a model built on the meta device from its own `reset_parameters()`."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.units, UnitsPolicy):
+            raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
+        if not isinstance(self.optimizer, AdamW):
+            raise TypeError(f"Config.optimizer must be a fxzero.AdamW, got {type(self.optimizer).__name__}")
+
+    @classmethod
+    def from_deepspeed(cls, ds: Union[dict[str, Any], str, os.PathLike]) -> "Config":
+        """Build a Config from a DeepSpeed config dict or JSON file (the keys fxzero understands)."""
+        if not isinstance(ds, dict):
+            with open(ds) as f:
+                ds = json.load(f)
+        stage = int(ds.get("zero_optimization", {}).get("stage", 3))
+        opt = ds.get("optimizer", {})
+        if opt and opt.get("type", "AdamW").lower() not in ("adam", "adamw"):
+            raise ValueError(
+                f"optimizer type {opt.get('type')!r} is not supported; fxzero runs AdamW "
+                "(set \"optimizer\": {\"type\": \"AdamW\", ...})"
+            )
+        params = opt.get("params", {})
+        adamw = AdamW(
+            lr=float(params.get("lr", 1e-3)),
+            betas=tuple(params.get("betas", (0.9, 0.999))),
+            eps=float(params.get("eps", 1e-8)),
+            weight_decay=float(params.get("weight_decay", 1e-2)),
+        )
+        return cls(stage=stage, optimizer=adamw)
