@@ -1,0 +1,56 @@
+"""Model -> traced joint graph -> passes -> Schedule: everything that runs before any rank does.
+
+`compile_program` needs no process group and touches no parameter memory: the world size is a
+parameter, the model may live on the meta device, and every tensor is fake. The runtime and
+the CLI both start from its result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from fxzero.config import Config
+from fxzero.passes import build_pipeline
+from fxzero.passes.runner import PassContext, PassRecord, run_pipeline
+from fxzero.passes.split import Program
+from fxzero.schedule import Schedule, build_schedule
+from fxzero.trace import JointSignature, trace_joint
+from fxzero.units import UnitLayout, plan_units
+
+__all__ = ["CompiledProgram", "compile_program"]
+
+
+@dataclasses.dataclass
+class CompiledProgram:
+    """The compiler's products for one input signature."""
+
+    signature: JointSignature
+    layouts: list[UnitLayout]
+    programs: dict[str, Program]
+    """"forward" and "backward": the executable graphs the schedule refers to by node name."""
+    schedule: Schedule
+    pass_trace: list[PassRecord]
+    joint: torch.fx.GraphModule
+    """The rewritten joint graph, for viewing."""
+
+
+def compile_program(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    config: Config,
+    *,
+    world_size: int,
+    layouts: list[UnitLayout] | None = None,
+) -> CompiledProgram:
+    """Trace `model` on inputs shaped like `example_inputs` and schedule it for `world_size` ranks."""
+    if layouts is None:
+        layouts = plan_units(model, config.units, world_size)
+    traced = trace_joint(model, example_inputs)
+    ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
+    joint, records = run_pipeline(traced.gm, ctx, build_pipeline(stage=config.stage))
+    schedule = build_schedule(ctx.programs, layouts, stage=config.stage, world_size=world_size)
+    return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -1,0 +1,112 @@
+"""The `fxzero::` operators: the IR the passes insert into the traced ATen graph.
+
+Each op has an eager kernel (used by a world of one and by anyone running a rewritten graph
+directly) and a fake kernel, so rewritten graphs still trace under FakeTensorMode. The runtime
+does not call the collective kernels: it recognizes these nodes and issues asynchronous
+collectives instead (see `fxzero/runtime/executor.py`).
+
+Ops that only matter for their effect (`free`) declare a mutated argument, which makes their
+schema mutable, so `Graph.eliminate_dead_code` keeps them.
+"""
+
+from typing import Optional
+
+import torch
+
+__all__ = ["OPS", "all_gather", "flatten_grads", "free", "reduce_scatter", "wait"]
+
+_lib = "fxzero"
+
+
+@torch.library.custom_op(f"{_lib}::all_gather", mutates_args=())
+def all_gather(shard: torch.Tensor, unit: str, world_size: int) -> torch.Tensor:
+    """Start gathering `unit`'s flat parameter buffer from every rank's shard.
+
+    The result may only be read after the matching `fxzero::wait`.
+    """
+    if world_size != 1:
+        raise RuntimeError(
+            "fxzero::all_gather ran eagerly with world_size > 1; rewritten graphs must run "
+            "through fxzero's runtime, which issues the collective"
+        )
+    return shard.clone()
+
+
+@all_gather.register_fake
+def _(shard: torch.Tensor, unit: str, world_size: int) -> torch.Tensor:
+    return shard.new_empty(shard.numel() * world_size)
+
+
+@torch.library.custom_op(f"{_lib}::reduce_scatter", mutates_args=())
+def reduce_scatter(flat: torch.Tensor, unit: str, world_size: int, keep_full: bool) -> torch.Tensor:
+    """Start reduce-scattering (averaging) `unit`'s flat gradient; this rank keeps its shard.
+
+    With `keep_full` (ZeRO-1), the averaged shard is written into this rank's slice of `flat`,
+    and the result is that slice: the full gradient buffer stays allocated.
+    """
+    if world_size != 1:
+        raise RuntimeError(
+            "fxzero::reduce_scatter ran eagerly with world_size > 1; rewritten graphs must run "
+            "through fxzero's runtime, which issues the collective"
+        )
+    return flat.clone()
+
+
+@reduce_scatter.register_fake
+def _(flat: torch.Tensor, unit: str, world_size: int, keep_full: bool) -> torch.Tensor:
+    return flat.new_empty(flat.numel() // world_size)
+
+
+@torch.library.custom_op(f"{_lib}::wait", mutates_args=())
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """Block until the collective that produced `t` has completed; returns its result."""
+    return t.clone()
+
+
+@wait.register_fake
+def _(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+@torch.library.custom_op(f"{_lib}::free", mutates_args=("buffer",))
+def free(buffer: torch.Tensor) -> None:
+    """Release a gathered buffer: its storage is resized to zero, so any later use fails loudly."""
+    buffer.untyped_storage().resize_(0)
+
+
+@free.register_fake
+def _(buffer: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{_lib}::flatten_grads", mutates_args=())
+def flatten_grads(
+    grads: list[Optional[torch.Tensor]], numels: list[int], padded_numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Concatenate a unit's gradients into one zero-padded flat buffer (the unit's layout).
+
+    A missing gradient (a parameter the loss does not depend on) stays zero.
+    """
+    out = torch.zeros(padded_numel, dtype=dtype)
+    offset = 0
+    for g, n in zip(grads, numels):
+        if g is not None:
+            out[offset : offset + n].copy_(g.reshape(-1))
+        offset += n
+    return out
+
+
+@flatten_grads.register_fake
+def _(
+    grads: list[Optional[torch.Tensor]], numels: list[int], padded_numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.empty(padded_numel, dtype=dtype)
+
+
+OPS = {
+    "all_gather": torch.ops.fxzero.all_gather.default,
+    "reduce_scatter": torch.ops.fxzero.reduce_scatter.default,
+    "wait": torch.ops.fxzero.wait.default,
+    "free": torch.ops.fxzero.free.default,
+    "flatten_grads": torch.ops.fxzero.flatten_grads.default,
+}

@@ -1,0 +1,115 @@
+"""separate_phases: tag every node forward or backward; recompute parameter-derived values.
+
+The forward is what the model's outputs and buffer updates need; everything else is backward.
+A forward value the backward uses is saved across the boundary, unless it is derived from
+parameters alone (a view, a transpose, a cast of a weight): such a value is recomputed in the
+backward from the unit's own buffer, so gathered parameters never cross the boundary.
+
+Before::                                   After::
+
+    w = as_strided(unit_0, ...)  # fwd          w = as_strided(unit_0, ...)    # fwd
+    wt = t(w)                    # fwd          wt = t(w)                      # fwd
+    y = mm(x, wt)                # fwd          y = mm(x, wt)                  # fwd
+    gx = mm(g, t(wt))            # bwd          w_1 = as_strided(unit_0, ...)  # bwd (recomputed)
+                                                wt_1 = t(w_1)                  # bwd
+                                                gx = mm(g, t(wt_1))            # bwd
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.passes.runner import Pass, PassContext, PassResult
+
+REQUIRES = frozenset({"units_partitioned"})
+PROVIDES = frozenset({"phases"})
+
+
+def _forward_roots(graph: fx.Graph, ctx: PassContext) -> list[fx.Node]:
+    """The joint outputs that belong to the forward: model outputs and new buffer values."""
+    sig = ctx.signature
+    results = list(output_node(graph).args[0])
+    n_grads = len(sig.trainable_fqns)
+    fwd = results[: sig.num_outputs] + results[sig.num_outputs + n_grads :]
+    return [r for r in fwd if isinstance(r, fx.Node)]
+
+
+def _forward_set(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = _forward_roots(graph, ctx)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    # Every element of a forward op's multi-output (a norm's mean and rstd) is a forward value:
+    # the backward then saves just the elements it reads, not the whole tuple.
+    for n in list(seen):
+        seen.update(u for u in n.users if u.target is operator.getitem)
+    return seen
+
+
+def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """True if node's value depends on unit placeholders only (no inputs, buffers, grads)."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        result = is_kind(node, "unit")
+    elif node.op == "call_function":
+        inputs = node.all_input_nodes
+        result = bool(inputs) and all(_param_only(i, memo) for i in inputs)
+    else:
+        result = False
+    memo[node] = result
+    return result
+
+
+def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    return node.op == "call_function" and _param_only(node, memo)
+
+
+def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    forward = _forward_set(graph, ctx)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            tag(node, phase=BACKWARD if is_kind(node, "grad_output") else FORWARD)
+        elif node.op != "output":
+            tag(node, phase=FORWARD if node in forward else BACKWARD)
+
+    memo: dict[fx.Node, bool] = {}
+    clones: dict[fx.Node, fx.Node] = {}
+    recomputed = 0
+
+    def backward_copy(node: fx.Node, before: fx.Node) -> fx.Node:
+        nonlocal recomputed
+        if node.op == "placeholder" or phase(node) == BACKWARD:
+            return node
+        if node not in clones:
+            args = {i: backward_copy(i, before) for i in node.all_input_nodes}
+            with graph.inserting_before(before):
+                clone = graph.node_copy(node, lambda n: args[n])
+            clone.meta = {**node.meta, "fxzero": {**node.meta.get("fxzero", {}), "phase": BACKWARD}}
+            clones[node] = clone
+            recomputed += 1
+        return clones[node]
+
+    for node in list(graph.nodes):
+        if node.op == "output" or phase(node) != BACKWARD:
+            continue
+        for inp in node.all_input_nodes:
+            if phase(inp) == FORWARD and _can_recompute(inp, memo):
+                node.replace_input_with(inp, backward_copy(inp, node))
+
+    graph.eliminate_dead_code()
+    n_fwd = sum(1 for n in graph.nodes if phase(n) == FORWARD)
+    return PassResult(
+        gm, changed=True, summary={"forward_nodes": n_fwd, "recomputed_in_backward": recomputed}
+    )
+
+
+PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)

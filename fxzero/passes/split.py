@@ -1,0 +1,126 @@
+"""split: cut the joint graph into a forward program and a backward program.
+
+Before (one joint graph, nodes tagged forward/backward)::
+
+    unit_0, bn_mean, x, g = placeholders
+    ...forward nodes...   ...backward nodes (use g and some forward values)...
+    return [out, gshard_0, new_bn_mean]
+
+After (two GraphModules, recorded in ctx.programs)::
+
+    forward(unit_0, ..., bn_mean, ..., x, ...)  -> [out, new_bn_mean, *saved]
+    backward(unit_0, ..., *saved, g, ...)       -> [gshard_0, ...]
+
+Saved values are forward values the backward reads. Parameter-derived values were already
+recomputed in the backward (separate_phases), and every gathered buffer is freed inside its
+phase (insert_gather_free), so no gathered parameter is ever saved: the pass checks this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from fxzero.passes.analysis import BACKWARD, FORWARD, alias_source, is_kind, output_node, phase
+from fxzero.passes.runner import Pass, PassContext, PassResult
+
+REQUIRES = frozenset({"phases", "grads_reduced"})
+PROVIDES = frozenset({"split"})
+
+
+@dataclasses.dataclass
+class Program:
+    """One executable program: its graph and what its flat inputs and outputs are."""
+
+    name: str
+    gm: fx.GraphModule
+    inputs: list[tuple[str, str]]
+    """Per placeholder, in order: (kind, key): ("unit", name), ("buffer", fqn), ("input", i),
+    ("saved", node name), ("grad_output", i)."""
+    outputs: list[tuple[str, str]]
+    """Per output, in order: ("output", i), ("buffer", fqn), ("saved", node name), ("grad", unit)."""
+
+
+def _input_key(node: fx.Node) -> tuple[str, str]:
+    t = node.meta["fxzero"]
+    k = t["kind"]
+    return (k, t.get("unit") or t.get("fqn") if k in ("unit", "buffer") else t["index"])
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while (src := alias_source(node)) is not None:
+        node = src
+    return node
+
+
+def _build(name: str, joint: fx.Graph, nodes: list[fx.Node], inputs: list[fx.Node],
+           results: list[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output([env[r] if isinstance(r, fx.Node) else r for r in results])
+    graph.lint()
+    return fx.GraphModule({}, graph, class_name=f"{name}_program")
+
+
+def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    joint = gm.graph
+    sig = ctx.signature
+    grad_units = ctx.outputs["grad_units"]
+    results = list(output_node(joint).args[0])
+    n_out, n_grads = sig.num_outputs, len(grad_units)
+    model_outputs = results[:n_out]
+    grad_shards = results[n_out : n_out + n_grads]
+    new_buffers = results[n_out + n_grads :]
+
+    placeholders = [n for n in joint.nodes if n.op == "placeholder"]
+    units = [n for n in placeholders if is_kind(n, "unit")]
+    fwd_inputs = [n for n in placeholders if is_kind(n, "unit", "buffer", "input")]
+    grad_outputs = [n for n in placeholders if is_kind(n, "grad_output")]
+    fwd_nodes = [n for n in joint.nodes if n.op == "call_function" and phase(n) == FORWARD]
+    bwd_nodes = [n for n in joint.nodes if n.op == "call_function" and phase(n) == BACKWARD]
+
+    bwd_set = set(bwd_nodes)
+    saved = [
+        n
+        for n in [*fwd_inputs, *fwd_nodes]
+        if not is_kind(n, "unit") and any(u in bwd_set for u in n.users)
+    ]
+    for n in saved:
+        root = _root(n)
+        assert not is_kind(root, "wait", "unit"), (
+            f"internal error: forward value {n.name} aliases gathered parameters "
+            f"({root.name}) and would be saved for backward"
+        )
+
+    fwd = _build("forward", joint, fwd_nodes, fwd_inputs, [*model_outputs, *new_buffers, *saved])
+    bwd = _build("backward", joint, bwd_nodes, [*units, *saved, *grad_outputs], grad_shards)
+    ctx.programs["forward"] = Program(
+        "forward",
+        fwd,
+        inputs=[_input_key(n) for n in fwd_inputs],
+        outputs=[("output", i) for i in range(n_out)]
+        + [("buffer", f) for f in sig.mutated_buffers]
+        + [("saved", n.name) for n in saved],
+    )
+    ctx.programs["backward"] = Program(
+        "backward",
+        bwd,
+        inputs=[_input_key(n) for n in units]
+        + [("saved", n.name) for n in saved]
+        + [_input_key(n) for n in grad_outputs],
+        outputs=[("grad", u) for u in grad_units],
+    )
+    return PassResult(
+        gm,
+        changed=True,
+        summary={"forward_nodes": len(fwd_nodes), "backward_nodes": len(bwd_nodes), "saved": len(saved)},
+    )
+
+
+PASS = Pass("split", split_pass, requires=REQUIRES, provides=PROVIDES)

@@ -1,0 +1,291 @@
+"""The Engine: what `fxzero.compile` returns; runs the compiled programs on this rank.
+
+    engine = fxzero.compile(model, config=fxzero.Config(...))
+    loss = loss_fn(engine(x), y)   # forward program: gathers, computes, frees
+    engine.backward(loss)          # same as loss.backward(): backward program, reduce-scatters
+    engine.step()                  # AdamW on this rank's shard; ZeRO-1/2 re-gather; grads cleared
+
+[Note: how the programs meet autograd]
+The forward program runs inside a `torch.autograd.Function`, so the user's loss, computed
+eagerly outside the graph, backpropagates into our backward program: `loss.backward()` hands
+the Function the gradients of the model's outputs, and the Function runs the backward program
+with those as its grad_output inputs. The values the backward needs (saved activations) are
+held by the Function's context and released when the backward has run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxzero.compiler import CompiledProgram, compile_program
+from fxzero.config import Config
+from fxzero.runtime.comm import Comm, make_comm
+from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.materialize import materialize
+from fxzero.runtime.optim import AdamWState, adamw_step
+from fxzero.schedule import check_fingerprints
+from fxzero.units import plan_units
+
+__all__ = ["Engine"]
+
+
+def _ensure_process_group() -> None:
+    """Join the launcher's process group (torchrun sets WORLD_SIZE) if the user has not."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class _Compiled:
+    """One input signature's compiled program, with runners bound to this rank's comm."""
+
+    def __init__(self, compiled: CompiledProgram, comm: Comm, memory: GatheredMemory):
+        self.compiled = compiled
+        self.forward = ProgramRunner(compiled.schedule.program("forward"), compiled.programs["forward"].gm, comm, memory)
+        self.backward = ProgramRunner(compiled.schedule.program("backward"), compiled.programs["backward"].gm, comm, memory)
+
+
+class _RunProgram(torch.autograd.Function):
+    """See [Note: how the programs meet autograd]."""
+
+    @staticmethod
+    def forward(ctx, engine: "Engine", compiled: _Compiled, anchor: torch.Tensor, *inputs: torch.Tensor):
+        outputs, saved = engine._run_forward(compiled, inputs)
+        ctx.engine, ctx.compiled, ctx.saved = engine, compiled, saved
+        sig = compiled.compiled.signature
+        ctx.shapes = [(o.shape, o.dtype) for o in outputs]
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, sig.differentiable) if not d])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        if ctx.saved is None:
+            raise RuntimeError(
+                f"[rank {ctx.engine.rank}] backward ran twice through one fxzero forward; "
+                "call forward again for each backward"
+            )
+        sig = ctx.compiled.compiled.signature
+        grad_outputs = [
+            g if g is not None else torch.zeros(shape, dtype=dtype)
+            for g, (shape, dtype), d in zip(grads, ctx.shapes, sig.differentiable)
+            if d
+        ]
+        ctx.engine._run_backward(ctx.compiled, ctx.saved, grad_outputs)
+        ctx.saved = None
+        return (None, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class Engine:
+    """Runs a model under ZeRO on this rank. Build it with `fxzero.compile`."""
+
+    def __init__(self, model: nn.Module, config: Config, *, state_dict: Optional[Mapping[str, torch.Tensor]] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
+        _ensure_process_group()
+        self.config = config
+        self.comm = make_comm()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self._model = model
+        self.layouts = plan_units(model, config.units, self.world_size)
+        self.num_params = sum(layout.numel for layout in self.layouts)
+        self._whole = config.stage in (1, 2)
+        self._params, self._buffers = materialize(
+            model, self.layouts, rank=self.rank, whole=self._whole, state_dict=state_dict, seed=config.seed
+        )
+        self._grads: dict[str, torch.Tensor] = {}
+        self._optim: dict[str, AdamWState] = {}
+        self._cache: dict[Any, _Compiled] = {}
+        self._gathered = GatheredMemory()
+        self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
+        self._last: Optional[_Compiled] = None
+
+    # -- compile ---------------------------------------------------------------------------
+
+    def _compiled_for(self, inputs: tuple[torch.Tensor, ...]) -> _Compiled:
+        key = (self._model.training, tuple((tuple(x.shape), x.dtype) for x in inputs))
+        if key not in self._cache:
+            compiled = compile_program(
+                self._model, inputs, self.config, world_size=self.world_size, layouts=self.layouts
+            )
+            check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
+            self._cache[key] = _Compiled(compiled, self.comm, self._gathered)
+        return self._cache[key]
+
+    @property
+    def schedule(self):
+        """The schedule of the most recently run input signature."""
+        if self._last is None:
+            raise RuntimeError("no program has run yet: call the engine on an input first")
+        return self._last.compiled.schedule
+
+    # -- forward / backward ----------------------------------------------------------------
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"[rank {self.rank}] input {i} is a {type(x).__name__}; pass tensors")
+        compiled = self._compiled_for(tuple(inputs))
+        self._last = compiled
+        sig = compiled.compiled.signature
+        outputs = _RunProgram.apply(self, compiled, self._anchor, *inputs)
+        return pytree.tree_unflatten(list(outputs), sig.out_spec)
+
+    forward = __call__
+
+    def _unit_inputs(self) -> dict[str, torch.Tensor]:
+        from fxzero.passes.partition import unit_placeholder_name
+
+        return {unit_placeholder_name(name): t for name, t in self._params.items()}
+
+    def _run_forward(self, compiled: _Compiled, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        program = compiled.compiled.programs["forward"]
+        env = self._unit_inputs()
+        placeholders = compiled.forward.program.inputs
+        for name, (kind, key) in zip(placeholders, program.inputs):
+            if kind == "buffer":
+                env[name] = self._buffers[key]
+            elif kind == "input":
+                env[name] = inputs[key]
+        results = compiled.forward.run(env)
+        sig = compiled.compiled.signature
+        n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
+        for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
+            self._buffers[fqn] = value
+        return results[:n_out], results[n_out + n_buf :]
+
+    def _run_backward(self, compiled: _Compiled, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
+        program = compiled.compiled.programs["backward"]
+        env = self._unit_inputs()
+        placeholders = compiled.backward.program.inputs
+        saved_iter, grads_iter = iter(saved), iter(grad_outputs)
+        for name, (kind, _) in zip(placeholders, program.inputs):
+            if kind == "saved":
+                env[name] = next(saved_iter)
+            elif kind == "grad_output":
+                env[name] = next(grads_iter)
+        results = compiled.backward.run(env)
+        for (_, unit), grad in zip(program.outputs, results):
+            if unit in self._grads:
+                raise RuntimeError(
+                    f"[rank {self.rank}] unit {unit!r} already holds a gradient: call step() "
+                    "between backward passes (gradient accumulation is not supported yet)"
+                )
+            self._grads[unit] = grad
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` through the last forward: the same as `loss.backward()`."""
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            raise TypeError(
+                f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
+                "engine's outputs (it does not require grad: was it computed under no_grad?)"
+            )
+        loss.backward()
+
+    # -- optimizer step --------------------------------------------------------------------
+
+    def _layout(self, unit: str):
+        return next(lay for lay in self.layouts if lay.name == unit)
+
+    def _shard_of(self, unit: str) -> torch.Tensor:
+        """This rank's parameter shard: the storage (ZeRO-3) or a view into the full buffer."""
+        if not self._whole:
+            return self._params[unit]
+        lo, hi = self._layout(unit).shard_range(self.rank)
+        return self._params[unit][lo:hi]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's shard of every trainable unit, then clear the gradients."""
+        if self._last is None:
+            raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
+        step_program = self._last.compiled.schedule.program("step")
+        missing = [i.unit for i in step_program.instructions if i.kind == "optim_step" and i.unit not in self._grads]
+        if missing:
+            raise RuntimeError(
+                f"[rank {self.rank}] step() found no gradient for units {missing}: call "
+                "engine.backward(loss) after the forward and before step()"
+            )
+        gradless = frozenset(self._last.compiled.signature.gradless_fqns)
+        pending = {}
+        for ins in step_program.instructions:
+            if ins.kind == "optim_step":
+                shard = self._shard_of(ins.unit)
+                state = self._optim.setdefault(ins.unit, AdamWState.zeros_like(shard))
+                ranges = self._layout(ins.unit).shard_ranges(self.rank, skip=gradless)
+                adamw_step(shard, self._grads[ins.unit], state, self.config.optimizer, ranges)
+            elif ins.kind == "all_gather":
+                # ZeRO-1/2: every rank updated its slice; gather the updated full buffer.
+                full = self._params[ins.unit]
+                pending[ins.name] = self.comm.all_gather(full, self._shard_of(ins.unit).clone())
+            elif ins.kind == "wait":
+                pending.pop(ins.reads[0]).wait()
+            else:
+                raise AssertionError(f"unexpected {ins.kind} in the step program")
+        self._grads.clear()
+
+    def zero_grad(self) -> None:
+        self._grads.clear()
+
+    # -- state and reports -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters and this rank's buffers, keyed like `model.state_dict()`.
+
+        A collective: every rank must call it. Its traffic is not counted in comm_report().
+        """
+        full: dict[str, torch.Tensor] = {}
+        for layout in self.layouts:
+            if self._whole:
+                flat = self._params[layout.name]
+            else:
+                flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
+                self.comm.all_gather(flat, self._params[layout.name], count=False).wait()
+            for slot in layout.slots:
+                full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        out = {}
+        first: dict[int, str] = {}
+        for fqn, p in self._model.named_parameters(remove_duplicate=False):
+            out[fqn] = full[first.setdefault(id(p), fqn)]
+        for fqn, _ in self._model.named_buffers(remove_duplicate=False):
+            out[fqn] = self._buffers[fqn].clone()
+        order = list(self._model.state_dict(keep_vars=True).keys())
+        return {k: out[k] for k in order if k in out}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now, by category, plus the peak of gathered buffers.
+
+        Counted from the storages the engine holds (a view of a larger buffer counts the whole
+        buffer), not estimated from sizes.
+        """
+        params = _storage_bytes(self._params.values())
+        grads = _storage_bytes(self._grads.values())
+        optim = sum(s.nbytes for s in self._optim.values())
+        return {
+            "param_shards": params,
+            "grad_shards": grads,
+            "optimizer_states": optim,
+            "model_states": params + grads + optim,
+            "buffers": _storage_bytes(self._buffers.values()),
+            "gathered": self._gathered.current,
+            "gathered_peak": self._gathered.peak,
+        }
+
+    def comm_report(self, reset: bool = False) -> dict[str, dict[str, int]]:
+        """Calls, elements and bytes sent per collective kind since the last reset."""
+        return self.comm.report(reset=reset)

@@ -1,0 +1,141 @@
+"""Execute exactly the schedule: one instruction at a time, collectives asynchronous.
+
+The executor walks a `ProgramSchedule` in order. Compute instructions call their FX node's
+ATen target; `all_gather` and `reduce_scatter` start an asynchronous collective whose handle is
+kept until the matching `wait`; `free` resizes a gathered buffer's storage to zero, so a use
+after free fails loudly instead of reading stale data. A value is dropped from the environment
+right after its last reader, so activations and gathered views die as early as the schedule says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from fxzero.runtime.comm import Comm, Pending
+from fxzero.schedule import Instruction, ProgramSchedule
+
+__all__ = ["GatheredMemory", "ProgramRunner"]
+
+_RUNTIME_TARGET = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
+
+
+@dataclasses.dataclass
+class GatheredMemory:
+    """Bytes of gathered parameter buffers alive now, and the most seen at once."""
+
+    current: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+
+def _last_reads(program: ProgramSchedule) -> dict[int, list[str]]:
+    """For each instruction index, the values whose last reader it is (outputs are never dropped)."""
+    last: dict[str, int] = {}
+    for i, ins in enumerate(program.instructions):
+        for r in ins.reads:
+            last[r] = i
+    keep = set(program.outputs)
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in keep:
+            out.setdefault(i, []).append(name)
+    return out
+
+
+class ProgramRunner:
+    """Runs one scheduled program (forward or backward) against its FX graph."""
+
+    def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory):
+        self.program = program
+        self.comm = comm
+        self.memory = memory
+        nodes = {n.name: n for n in gm.graph.nodes}
+        self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = []
+        for ins in program.instructions:
+            self.steps.append((ins, self._compile(ins, nodes[ins.name])))
+        self.drop_after = _last_reads(program)
+
+    def _compile(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
+        """A closure computing the instruction from the environment."""
+
+        def load(env: dict) -> tuple[tuple, dict]:
+            def get(a):
+                return env[a.name] if isinstance(a, fx.Node) else a
+
+            return tree_map(get, node.args), tree_map(get, node.kwargs)
+
+        kind = ins.kind
+        if kind == "compute":
+            # [Note: view strides] The graph was traced with fake (meta) kernels, whose output
+            # strides can differ from the CPU kernels' (e.g. native_batch_norm_backward), so a
+            # view that was legal in the trace may not be legal at run time. The graph is
+            # functional, so a copying reshape computes the same values.
+            target = _RUNTIME_TARGET.get(node.target, node.target)
+
+            def compute(env: dict) -> Any:
+                args, kwargs = load(env)
+                return target(*args, **kwargs)
+
+            return compute
+        if kind == "all_gather":
+            src = node.args[0].name
+
+            def all_gather(env: dict) -> Pending:
+                shard = env[src]
+                out = shard.new_empty(shard.numel() * self.comm.world_size)
+                self.memory.add(ins.bytes)
+                return self.comm.all_gather(out, shard)
+
+            return all_gather
+        if kind == "reduce_scatter":
+            src, keep_full = node.args[0].name, bool(node.args[3])
+
+            def reduce_scatter(env: dict) -> Pending:
+                flat = env[src]
+                n = flat.numel() // self.comm.world_size
+                pending = self.comm.reduce_scatter(flat.new_empty(n), flat)
+                if not keep_full:
+                    return pending
+                # ZeRO-1: the averaged shard goes back into this rank's slice of the full buffer,
+                # which stays allocated as the unit's gradient.
+                mine = flat[self.comm.rank * n : (self.comm.rank + 1) * n]
+
+                def finish() -> torch.Tensor:
+                    result = pending.finish() if pending.finish else pending.result
+                    return mine.copy_(result)
+
+                return pending._replace(finish=finish)
+
+            return reduce_scatter
+        if kind == "wait":
+            src = node.args[0].name
+            return lambda env: env[src].wait()
+        if kind == "free":
+            src = node.args[0].name
+
+            def free(env: dict) -> None:
+                buf = env[src]
+                self.memory.add(-buf.untyped_storage().nbytes())
+                buf.untyped_storage().resize_(0)
+
+            return free
+        raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
+
+    @torch.no_grad()
+    def run(self, inputs: dict[str, Any]) -> list[Any]:
+        missing = set(self.program.inputs) - set(inputs)
+        assert not missing, f"{self.program.name} program is missing inputs {sorted(missing)}"
+        env = dict(inputs)
+        for i, (ins, fn) in enumerate(self.steps):
+            env[ins.name] = fn(env)
+            for name in self.drop_after.get(i, ()):
+                del env[name]
+        return [env[name] for name in self.program.outputs]

@@ -1,0 +1,160 @@
+"""Materialize each rank's parameter storage unit by unit, never the whole model at once.
+
+Three sources, in order of precedence:
+1. a full `state_dict` (e.g. loaded from a checkpoint): each parameter is read and only the
+   part in this rank's range is copied;
+2. the model's own tensors, when they are real (not on the meta device);
+3. the modules' own `reset_parameters()`, run module by module in `named_modules()` order
+   under `Config.seed`, on every rank alike. For standard layers this reproduces the values of
+   eager construction under `torch.manual_seed(seed)`; for a tied parameter the first
+   initialization wins, as in eager construction followed by tying.
+
+In every case only one module's (or one parameter's) full tensors exist at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from fxzero.units import ParamSlot, UnitLayout, unique_parameters
+
+__all__ = ["materialize"]
+
+
+def _alias_to_unique(model: nn.Module) -> dict[str, str]:
+    """Every parameter name (tied aliases included) -> the FQN fxzero uses for it."""
+    first: dict[int, str] = {}
+    out = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        out[fqn] = first.setdefault(id(p), fqn)
+    return out
+
+
+class _Sink:
+    """Receives full parameter values one at a time and keeps this rank's part of each unit."""
+
+    def __init__(self, layouts: list[UnitLayout], rank: int, whole: bool) -> None:
+        self.whole = whole
+        self.rank = rank
+        self.where: dict[str, tuple[UnitLayout, ParamSlot]] = {}
+        self.storage: dict[str, torch.Tensor] = {}
+        for layout in layouts:
+            n = layout.padded_numel if whole else layout.shard_numel
+            self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype)
+            for slot in layout.slots:
+                self.where[slot.fqn] = (layout, slot)
+        self.filled: set[str] = set()
+
+    def put(self, fqn: str, value: torch.Tensor) -> None:
+        layout, slot = self.where[fqn]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"{fqn}: got shape {tuple(value.shape)}, the model has {slot.shape}")
+        flat = value.detach().reshape(-1).to(layout.dtype)
+        if self.whole:
+            self.storage[layout.name][slot.offset : slot.offset + slot.numel].copy_(flat)
+        else:
+            lo, hi = layout.shard_range(self.rank)
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                self.storage[layout.name][a - lo : b - lo].copy_(flat[a - slot.offset : b - slot.offset])
+        self.filled.add(fqn)
+
+    def missing(self) -> list[str]:
+        return sorted(set(self.where) - self.filled)
+
+
+def _from_reset_parameters(model: nn.Module, seed: int) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield ("param"|"buffer", fqn, value) from each module's own initialization."""
+    unique = {id(p): fqn for fqn, p in unique_parameters(model).items()}
+    buffer_names = {id(b): fqn for fqn, b in model.named_buffers()}
+    seen: set[str] = set()
+    rng_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for name, module in model.named_modules():
+            own_params = dict(module._parameters)
+            own_buffers = dict(module._buffers)
+            if not any(t is not None for t in [*own_params.values(), *own_buffers.values()]):
+                continue
+            if not hasattr(module, "reset_parameters"):
+                if any(t is not None and t.is_meta for t in own_params.values()):
+                    raise ValueError(
+                        f"module {name!r} ({type(module).__name__}) has parameters on the meta "
+                        "device but no reset_parameters(), so fxzero cannot initialize it; pass "
+                        "state_dict= to fxzero.compile, or add reset_parameters() to the module"
+                    )
+                continue
+            module.to_empty(device="cpu", recurse=False)
+            try:
+                with torch.no_grad():
+                    module.reset_parameters()
+                for attr, orig in own_params.items():
+                    if orig is not None and unique[id(orig)] not in seen:
+                        seen.add(unique[id(orig)])
+                        yield "param", unique[id(orig)], module._parameters[attr]
+                for attr, orig in own_buffers.items():
+                    if orig is not None and id(orig) in buffer_names:
+                        yield "buffer", buffer_names[id(orig)], module._buffers[attr]
+            finally:
+                # Put the original (meta) tensors back: the model keeps its ties and its size.
+                module._parameters.update(own_params)
+                module._buffers.update(own_buffers)
+    finally:
+        torch.random.set_rng_state(rng_state)
+
+
+def materialize(
+    model: nn.Module,
+    layouts: list[UnitLayout],
+    *,
+    rank: int,
+    whole: bool,
+    state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's flat parameter storage per unit, and the model's buffers (full, on CPU).
+
+    Args:
+        whole: keep each unit's whole flat buffer (ZeRO-1/2) rather than this rank's shard.
+
+    Raises:
+        ValueError: if the state_dict lacks parameters or has wrong shapes.
+    """
+    sink = _Sink(layouts, rank, whole)
+    buffers: dict[str, torch.Tensor] = {}
+    buffer_fqns = [fqn for fqn, _ in model.named_buffers()]
+    if state_dict is not None:
+        aliases = _alias_to_unique(model)
+        for key in state_dict:
+            if key in aliases and aliases[key] == key:
+                sink.put(key, state_dict[key])
+        for fqn in buffer_fqns:
+            if fqn in state_dict:
+                buffers[fqn] = state_dict[fqn].detach().clone()
+    elif not any(p.is_meta for p in model.parameters()):
+        for fqn, p in unique_parameters(model).items():
+            sink.put(fqn, p)
+    else:
+        for what, fqn, value in _from_reset_parameters(model, seed):
+            if what == "param":
+                sink.put(fqn, value)
+            else:
+                buffers[fqn] = value.detach().clone()
+    for fqn, b in model.named_buffers():
+        if fqn not in buffers:
+            if b.is_meta:
+                raise ValueError(
+                    f"buffer {fqn!r} is on the meta device and no value was given for it; "
+                    "include it in state_dict= or give its module a reset_parameters()"
+                )
+            buffers[fqn] = b.detach().clone()
+    missing = sink.missing()
+    if missing:
+        raise ValueError(
+            f"no value for parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}: the "
+            "state_dict passed to fxzero.compile must hold every parameter of the model"
+        )
+    return sink.storage, buffers

@@ -1,0 +1,404 @@
+"""The schedule: a frozen, versioned, JSON round-trippable program the runtime executes.
+
+`build_schedule` is one pure function from the split programs and the unit layouts to a
+`Schedule`: per program ("forward", "backward", "step") an ordered list of instructions, each
+on a named stream with its dependencies, bytes and the gathered buffers it touches; a memory
+timeline; and a fingerprint of the collective sequence that every rank must share.
+
+`validate` rejects a schedule that would read a collective's result before its wait, use a
+gathered buffer after its free, free twice or leave a gathered buffer allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Iterable, Optional
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from fxzero.passes.analysis import alias_source, kind
+from fxzero.units import UnitLayout
+
+__all__ = [
+    "Instruction",
+    "ProgramSchedule",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "check_fingerprints",
+    "validate",
+]
+
+SCHEDULE_VERSION = 1
+COLLECTIVES = ("all_gather", "reduce_scatter")
+STREAM_OF = {"all_gather": "comm", "reduce_scatter": "comm"}  # everything else: "compute"
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks one of the rules `validate` checks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    """The value it defines (the FX node name in its program's graph)."""
+    kind: str
+    """compute | all_gather | reduce_scatter | wait | free | optim_step."""
+    stream: str
+    """compute | comm: collectives are issued on the comm stream, everything else computes."""
+    reads: tuple[str, ...] = ()
+    """Values it reads (instruction names or program inputs)."""
+    deps: tuple[int, ...] = ()
+    """Indices of earlier instructions of the same program it must run after."""
+    unit: Optional[str] = None
+    touches: tuple[str, ...] = ()
+    """Gathered buffers (names of the waits that produced them) it reads, directly or via views."""
+    numel: int = 0
+    """Elements moved (collectives) or produced (compute)."""
+    bytes: int = 0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Instruction":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSchedule:
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    instructions: tuple[Instruction, ...]
+    gathered_bytes: tuple[int, ...]
+    """Bytes of gathered parameter buffers alive after each instruction."""
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return max(self.gathered_bytes, default=0)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "instructions": [i.to_json() for i in self.instructions],
+            "gathered_bytes": list(self.gathered_bytes),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ProgramSchedule":
+        return cls(
+            d["name"],
+            tuple(d["inputs"]),
+            tuple(d["outputs"]),
+            tuple(Instruction.from_json(i) for i in d["instructions"]),
+            tuple(d["gathered_bytes"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    version: int
+    stage: int
+    world_size: int
+    units: tuple[UnitLayout, ...]
+    programs: tuple[ProgramSchedule, ...]
+    fingerprint: str
+
+    def program(self, name: str) -> ProgramSchedule:
+        for p in self.programs:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return max(p.peak_gathered_bytes for p in self.programs)
+
+    def collectives(self) -> list[tuple[str, Instruction]]:
+        return [(p.name, i) for p in self.programs for i in p.instructions if i.kind in COLLECTIVES]
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "units": [u.to_json() for u in self.units],
+            "programs": [p.to_json() for p in self.programs],
+            "fingerprint": self.fingerprint,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Schedule":
+        if d.get("version") != SCHEDULE_VERSION:
+            raise ValueError(
+                f"schedule version {d.get('version')!r} is not {SCHEDULE_VERSION}; "
+                "recompile the model with this fxzero to get a current schedule"
+            )
+        return cls(
+            d["version"],
+            d["stage"],
+            d["world_size"],
+            tuple(UnitLayout.from_json(u) for u in d["units"]),
+            tuple(ProgramSchedule.from_json(p) for p in d["programs"]),
+            d["fingerprint"],
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> "Schedule":
+        return cls.from_json(json.loads(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _value_bytes(val: Any) -> tuple[int, int]:
+    if isinstance(val, torch.Tensor):
+        return val.numel(), val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        parts = [_value_bytes(v) for v in val]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return 0, 0
+
+
+def _gathered_root(node: fx.Node) -> Optional[fx.Node]:
+    """The gathered buffer (an all_gather's wait) that node's value views, if any."""
+    while True:
+        if kind(node) == "wait" and kind(node.args[0]) == "all_gather":
+            return node
+        src = alias_source(node)
+        if src is None:
+            return None
+        node = src
+
+
+def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
+    meta = node.meta.get("fxzero", {})
+    k = meta.get("kind")
+    unit = meta.get("unit")
+    k = k if k in ("all_gather", "reduce_scatter", "wait", "free") else "compute"
+    touches = sorted({r.name for r in map(_gathered_root, node.all_input_nodes) if r is not None})
+    if k in COLLECTIVES:
+        layout = layouts[unit]
+        numel = layout.padded_numel
+        nbytes = numel * layout.itemsize
+    else:
+        numel, nbytes = _value_bytes(node.meta.get("val"))
+    return Instruction(
+        name=node.name,
+        kind=k,
+        stream=STREAM_OF.get(k, "compute"),
+        reads=tuple(n.name for n in node.all_input_nodes),
+        unit=unit if k != "compute" else meta.get("unit"),
+        touches=tuple(touches),
+        numel=numel,
+        bytes=nbytes,
+    )
+
+
+def _order(graph: fx.Graph) -> tuple[list[fx.Node], dict[fx.Node, set[fx.Node]]]:
+    """Priority topological order of the program's instructions, and each one's dependencies.
+
+    Dependencies are data edges, plus: a free runs after every reader of its buffer or of a
+    view of it (the free reads only the buffer itself, so no data edge says this).
+    Priority: program order, the order the tracer recorded, which is already a valid order and
+    keeps every rank's collective sequence identical. (Prefetch changes priorities, not this.)
+    """
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    position = {n: i for i, n in enumerate(nodes)}
+    deps: dict[fx.Node, set[fx.Node]] = {n: {i for i in n.all_input_nodes if i in position} for n in nodes}
+    readers: dict[fx.Node, set[fx.Node]] = {}
+    for n in nodes:
+        for root in filter(None, map(_gathered_root, n.all_input_nodes)):
+            readers.setdefault(root, set()).add(n)
+    for n in nodes:
+        if kind(n) == "free":
+            deps[n] |= readers.get(n.args[0], set()) - {n}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(nodes)
+    dag.add_edges_from((d, n) for n in nodes for d in deps[n])
+    order = list(nx.lexicographical_topological_sort(dag, key=position.__getitem__))
+    return order, deps
+
+
+def _gathered_timeline(instructions: Iterable[Instruction]) -> tuple[int, ...]:
+    """Bytes of gathered buffers alive after each instruction: +all_gather, -free."""
+    live, out, size_of = 0, [], {}
+    for ins in instructions:
+        if ins.kind == "all_gather":
+            size_of[ins.name] = ins.bytes
+            live += ins.bytes
+        elif ins.kind == "wait" and ins.reads[0] in size_of:
+            size_of[ins.name] = size_of.pop(ins.reads[0])  # the wait's value is the buffer
+        elif ins.kind == "free":
+            live -= size_of.pop(ins.reads[0])
+        out.append(live)
+    return tuple(out)
+
+
+def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedule:
+    graph = program.gm.graph
+    order, deps = _order(graph)
+    index = {n: i for i, n in enumerate(order)}
+    instructions = []
+    for n in order:
+        ins = _instruction(n, layouts)
+        instructions.append(dataclasses.replace(ins, deps=tuple(sorted(index[d] for d in deps[n]))))
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    out = next(n for n in graph.nodes if n.op == "output")
+    outputs = [r.name if isinstance(r, fx.Node) else "" for r in out.args[0]]
+    return ProgramSchedule(
+        program.name,
+        tuple(placeholders),
+        tuple(outputs),
+        tuple(instructions),
+        _gathered_timeline(instructions),
+    )
+
+
+def _step_program(layouts: list[UnitLayout], stage: int) -> ProgramSchedule:
+    """The optimizer step: AdamW on each trainable unit's shard; ZeRO-1/2 then re-gather params."""
+    instructions: list[Instruction] = []
+    for layout in layouts:
+        if not layout.trainable:
+            continue
+        step = Instruction(
+            name=f"optim_step:{layout.name}", kind="optim_step", stream="compute", unit=layout.name,
+            numel=layout.shard_numel, bytes=layout.shard_numel * layout.itemsize,
+        )
+        instructions.append(step)
+        if stage in (1, 2):
+            start = Instruction(
+                name=f"all_gather:{layout.name}", kind="all_gather", stream="comm", unit=layout.name,
+                reads=(step.name,), deps=(len(instructions) - 1,), numel=layout.padded_numel,
+                bytes=layout.padded_numel * layout.itemsize,
+            )
+            instructions.append(start)
+            instructions.append(
+                Instruction(
+                    name=f"wait:{layout.name}", kind="wait", stream="compute", unit=layout.name,
+                    reads=(start.name,), deps=(len(instructions) - 1,),
+                )
+            )
+    # The re-gathered buffer is the persistent parameter buffer, not a transient one.
+    return ProgramSchedule("step", (), (), tuple(instructions), tuple(0 for _ in instructions))
+
+
+def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayout], stage: int) -> str:
+    """A digest of everything every rank must agree on: layouts and the collective sequence."""
+    h = hashlib.sha256(f"stage={stage};".encode())
+    for u in units:
+        h.update(json.dumps(u.to_json(), sort_keys=True).encode())
+    for p in programs:
+        for i in p.instructions:
+            if i.kind in COLLECTIVES:
+                h.update(f"{p.name}|{i.kind}|{i.unit}|{i.numel}|{i.bytes};".encode())
+    return h.hexdigest()[:16]
+
+
+def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage: int,
+                   world_size: int) -> Schedule:
+    """The Schedule of the forward and backward programs (from the split pass) and the step."""
+    by_name = {u.name: u for u in layouts}
+    progs = (
+        _program_schedule(programs["forward"], by_name),
+        _program_schedule(programs["backward"], by_name),
+        _step_program(layouts, stage),
+    )
+    schedule = Schedule(
+        SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage)
+    )
+    validate(schedule)
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _validate_program(p: ProgramSchedule) -> None:
+    defined = set(p.inputs)
+    pending: dict[str, Instruction] = {}  # collective results not yet waited for
+    live: set[str] = set()  # gathered buffers
+    freed: set[str] = set()
+    names = [i.name for i in p.instructions]
+    for idx, ins in enumerate(p.instructions):
+        where = f"{p.name} program, instruction {idx} ({ins.kind} {ins.name})"
+        for dep in ins.deps:
+            if not 0 <= dep < idx:
+                raise ScheduleError(f"{where}: depends on instruction {dep}, which does not run before it")
+        for r in ins.reads:
+            if r in pending and ins.kind != "wait":
+                raise ScheduleError(
+                    f"{where}: reads {r}, the result of a {pending[r].kind} of unit "
+                    f"{pending[r].unit!r}, before its wait (missing wait)"
+                )
+            if r not in defined and r not in pending:
+                raise ScheduleError(f"{where}: reads {r} before it is defined")
+        for b in ins.touches:
+            if b in freed:
+                raise ScheduleError(f"{where}: uses gathered buffer {b} after it was freed")
+        if ins.kind in COLLECTIVES:
+            pending[ins.name] = ins
+            continue
+        if ins.kind == "wait":
+            (src,) = ins.reads
+            if src not in pending:
+                raise ScheduleError(f"{where}: waits for {src}, which is not an outstanding collective")
+            # The step program re-gathers into the persistent parameter buffers (ZeRO-1/2),
+            # which are never freed; every other gather makes a transient buffer.
+            if pending.pop(src).kind == "all_gather" and p.name != "step":
+                live.add(ins.name)
+        if ins.kind == "free":
+            (buf,) = ins.reads
+            if buf in freed:
+                raise ScheduleError(f"{where}: frees {buf} a second time (double free)")
+            if buf not in live:
+                raise ScheduleError(f"{where}: frees {buf}, which is not a gathered buffer")
+            live.discard(buf)
+            freed.add(buf)
+        defined.add(ins.name)
+    if pending:
+        first = next(iter(pending.values()))
+        raise ScheduleError(
+            f"{p.name} program: {first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)"
+        )
+    if live:
+        raise ScheduleError(f"{p.name} program: gathered buffers {sorted(live)} are never freed")
+    assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError if the schedule breaks a rule; the message names the instruction."""
+    if schedule.fingerprint != fingerprint_of(schedule.programs, schedule.units, schedule.stage):
+        raise ScheduleError(
+            "schedule fingerprint does not match its contents: the schedule was edited after "
+            "it was built; rebuild it with build_schedule"
+        )
+    for p in schedule.programs:
+        _validate_program(p)
+
+
+def check_fingerprints(fingerprints: list[str], *, rank: int) -> None:
+    """Raise if the ranks' schedule fingerprints differ (they would issue different collectives)."""
+    if len(set(fingerprints)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, fp in enumerate(fingerprints):
+            groups.setdefault(fp, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {fp}" for fp, rs in groups.items())
+        raise RuntimeError(
+            f"[rank {rank}] the ranks compiled different schedules ({detail}), so they would "
+            "issue different collectives and hang; make sure every rank builds the same model "
+            "with the same config and the same input shapes"
+        )

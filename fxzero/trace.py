@@ -1,0 +1,214 @@
+"""Capture: the joint forward+backward ATen graph of a module, traced on fake tensors.
+
+`trace_joint` traces
+
+    outputs, grads, new_buffers = joint(params, buffers, inputs, grad_outputs)
+
+with `make_fx`: the forward through `torch.func.functional_call`, the backward through
+`torch.autograd.grad`. Every tensor is a fake tensor, so no parameter memory is touched and a
+model built on the meta device can be traced. A second trace through `functionalize` turns
+in-place updates of buffers (BatchNorm running statistics) into explicit graph outputs.
+
+The result is one flat-argument `GraphModule` whose placeholders are tagged in
+`node.meta["fxzero"]`:
+
+    {"kind": "param", "fqn": ...}        one per unique parameter (tied parameters count once)
+    {"kind": "buffer", "fqn": ...}
+    {"kind": "input", "index": i}
+    {"kind": "grad_output", "index": i}  one per differentiable output
+
+and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described by a
+`JointSignature`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from fxzero._compat import FakeTensorMode, get_decompositions, make_fx
+
+__all__ = ["JointSignature", "TracedJoint", "trace_joint"]
+
+# native_batch_norm's schema does not declare that it updates running statistics; its
+# decomposition does the update with explicit copy_, which functionalization can see.
+_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
+
+
+@dataclasses.dataclass(frozen=True)
+class JointSignature:
+    """What the flat inputs and outputs of a joint graph mean."""
+
+    param_fqns: tuple[str, ...]
+    """Unique parameters, in placeholder order."""
+    trainable_fqns: tuple[str, ...]
+    """Parameters that receive a gradient, in the order of the grad outputs."""
+    buffer_fqns: tuple[str, ...]
+    num_inputs: int
+    out_spec: pytree.TreeSpec
+    """Structure of the model's outputs, to rebuild them from the flat list."""
+    num_outputs: int
+    differentiable: tuple[bool, ...]
+    """Per flat output: whether it has a grad_output placeholder (floating point outputs)."""
+    mutated_buffers: tuple[str, ...]
+    """Buffers the forward updates, in the order of the new_buffers outputs."""
+    gradless_fqns: tuple[str, ...] = ()
+    """Trainable parameters the outputs do not depend on (autograd gives them no gradient);
+    like torch.optim, the optimizer leaves them untouched."""
+
+
+@dataclasses.dataclass
+class TracedJoint:
+    gm: fx.GraphModule
+    signature: JointSignature
+
+
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """A fake CPU tensor with t's shape and dtype (t may be on the meta device)."""
+    with mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return out.requires_grad_(requires_grad)
+
+
+def _check_model(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                raise TypeError(
+                    f"module {name or type(model).__name__!r} holds a plain tensor attribute "
+                    f"{attr!r}; fxzero traces parameters and buffers only: register it with "
+                    f"register_buffer({attr!r}, ...)"
+                )
+
+
+def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> TracedJoint:
+    """Trace the joint forward+backward graph of `model` on inputs shaped like `example_inputs`.
+
+    Args:
+        model: the module; its parameters and buffers may live on the meta device.
+        example_inputs: tensors (real, meta or fake) giving the inputs' shapes and dtypes.
+
+    Raises:
+        TypeError: for inputs that are not tensors or inputs that require grad.
+        ValueError: if the forward mutates a parameter or an input.
+    """
+    _check_model(model)
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"input {i} is a {type(x).__name__}; fxzero traces tensor inputs only "
+                "(pass other arguments through the module's constructor)"
+            )
+        if x.requires_grad:
+            raise TypeError(f"input {i} requires grad; fxzero computes gradients for parameters only")
+
+    params = dict(model.named_parameters(remove_duplicate=True))
+    buffers = dict(model.named_buffers(remove_duplicate=True))
+    param_fqns = tuple(params)
+    trainable = tuple(f for f, p in params.items() if p.requires_grad)
+    buffer_fqns = tuple(buffers)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def fresh_args() -> tuple[list, list, list]:
+        fp = [_fake_like(mode, p, p.requires_grad) for p in params.values()]
+        fb = [_fake_like(mode, b) for b in buffers.values()]
+        fx_ = [_fake_like(mode, x) for x in example_inputs]
+        return fp, fb, fx_
+
+    def forward(fp: list, fb: list, fi: list) -> Any:
+        state = {**dict(zip(param_fqns, fp)), **dict(zip(buffer_fqns, fb))}
+        return torch.func.functional_call(model, state, tuple(fi), strict=True)
+
+    # A fake forward first, to learn the outputs' structure and which need a grad_output.
+    fp, fb, fi = fresh_args()
+    with torch.enable_grad():
+        out_flat, out_spec = pytree.tree_flatten(forward(fp, fb, fi))
+    for i, o in enumerate(out_flat):
+        if not isinstance(o, torch.Tensor):
+            raise TypeError(f"model output {i} is a {type(o).__name__}; fxzero needs tensor outputs")
+    differentiable = tuple(bool(o.requires_grad) for o in out_flat)
+    with mode:
+        grad_outputs = [torch.empty_like(o).detach() for o, d in zip(out_flat, differentiable) if d]
+
+    fp, fb, fi = fresh_args()
+    n_p, n_b, n_i = len(fp), len(fb), len(fi)
+
+    def joint(*flat: torch.Tensor) -> list:
+        p, b = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
+        x, g = list(flat[n_p + n_b : n_p + n_b + n_i]), list(flat[n_p + n_b + n_i :])
+        with torch.enable_grad():
+            outs = pytree.tree_leaves(forward(p, b, x))
+            diff_outs = [o for o, d in zip(outs, differentiable) if d]
+            wrt = [t for t, f in zip(p, param_fqns) if f in trainable]
+            grads = list(torch.autograd.grad(diff_outs, wrt, g, allow_unused=True)) if wrt and diff_outs else [None] * len(wrt)
+        return [*outs, *grads]
+
+    flat_args = [*fp, *fb, *fi, *grad_outputs]
+    gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
+    detached = [t.detach() for t in flat_args]
+    gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tags = (
+        [{"kind": "param", "fqn": f} for f in param_fqns]
+        + [{"kind": "buffer", "fqn": f} for f in buffer_fqns]
+        + [{"kind": "input", "index": i} for i in range(n_i)]
+        + [{"kind": "grad_output", "index": i} for i in range(len(grad_outputs))]
+    )
+    assert len(placeholders) == len(tags), (len(placeholders), len(tags))
+    for node, tag in zip(placeholders, tags):
+        node.meta["fxzero"] = tag
+
+    results = list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+    grad_results = results[len(out_flat) : len(out_flat) + len(trainable)]
+    gradless = tuple(f for f, g in zip(trainable, grad_results) if g is None)
+    mutated = _buffer_mutations_to_outputs(gm, n_out=len(out_flat) + len(trainable))
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    signature = JointSignature(
+        param_fqns=param_fqns,
+        trainable_fqns=trainable,
+        buffer_fqns=buffer_fqns,
+        num_inputs=n_i,
+        out_spec=out_spec,
+        num_outputs=len(out_flat),
+        differentiable=differentiable,
+        mutated_buffers=mutated,
+        gradless_fqns=gradless,
+    )
+    return TracedJoint(gm, signature)
+
+
+def _buffer_mutations_to_outputs(gm: fx.GraphModule, n_out: int) -> tuple[str, ...]:
+    """Replace functionalization's trailing `copy_(placeholder, new)` by extra outputs.
+
+    Returns the FQNs of the mutated buffers, in the order their new values were appended.
+    """
+    graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    results = list(output.args[0])
+    assert len(results) == n_out
+    mutated = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        tag = dst.meta.get("fxzero", {}) if dst.op == "placeholder" else {}
+        if tag.get("kind") != "buffer":
+            what = f"{tag['kind']} {tag.get('fqn', tag.get('index'))}" if tag else dst.name
+            raise ValueError(
+                f"the forward mutates {what} in place; fxzero supports in-place updates of "
+                "buffers only (register the state as a buffer, or make the update out of place)"
+            )
+        mutated.append(tag["fqn"])
+        results.append(src)
+        graph.erase_node(node)
+    output.args = (results,)
+    return tuple(mutated)

@@ -1,0 +1,199 @@
+"""Units and flat layouts: how parameters are grouped and laid out for sharding.
+
+A unit is the granularity of sharding (FSDP's "wrapping"): its parameters live in one flat
+buffer, padded to a multiple of the world size; rank r holds slice r. The grouping depends only
+on the module tree and the `UnitsPolicy`, and the layout only on the grouping and the world size,
+so every rank computes the same result without talking to the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from fxzero.config import UnitsPolicy
+
+__all__ = ["ParamSlot", "UnitLayout", "plan_units", "unique_parameters"]
+
+ROOT = "root"
+FROZEN_SUFFIX = ":frozen"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """One unit's flat buffer: which parameters, where, and how it is split across ranks."""
+
+    name: str
+    slots: tuple[ParamSlot, ...]
+    dtype: torch.dtype
+    world_size: int
+    trainable: bool
+    """False for units of frozen parameters: gathered, never reduced, no optimizer state."""
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements, without padding."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        """Length of the flat buffer: numel rounded up to a multiple of the world size."""
+        return -(-self.numel // self.world_size) * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's slice in the flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_ranges(self, rank: int, skip: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
+        """[lo, hi) ranges, relative to rank's shard, covered by parameters not in `skip`.
+
+        Padding is never covered; adjacent ranges are merged.
+        """
+        lo, hi = self.shard_range(rank)
+        out: list[tuple[int, int]] = []
+        for s in self.slots:
+            if s.fqn in skip:
+                continue
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a >= b:
+                continue
+            if out and out[-1][1] == a - lo:
+                out[-1] = (out[-1][0], b - lo)
+            else:
+                out.append((a - lo, b - lo))
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "world_size": self.world_size,
+            "trainable": self.trainable,
+            "slots": [[s.fqn, list(s.shape), s.offset, s.numel] for s in self.slots],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "UnitLayout":
+        slots = tuple(ParamSlot(f, tuple(shape), off, n) for f, shape, off, n in d["slots"])
+        return cls(d["name"], slots, getattr(torch, d["dtype"]), d["world_size"], d["trainable"])
+
+
+def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their first FQN; a tied parameter appears once."""
+    return dict(model.named_parameters(remove_duplicate=True))
+
+
+def _is_block_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) and any(
+        next(child.parameters(), None) is not None for child in module.children()
+    )
+
+
+def _unit_roots(model: nn.Module, policy: UnitsPolicy) -> list[str]:
+    """FQNs of the modules that form units, outermost-first, in module order."""
+
+    def matches(fqn: str, module: nn.Module) -> bool:
+        if policy.is_default:
+            return False
+        return (
+            isinstance(module, policy.module_classes)
+            or fqn in policy.fqn_prefixes
+            or (policy.predicate is not None and bool(policy.predicate(fqn, module)))
+        )
+
+    roots: list[str] = []
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        if fqn and matches(fqn, module):
+            roots.append(fqn)
+            return
+        if policy.is_default and _is_block_container(module):
+            for name, child in module.named_children():
+                if next(child.parameters(), None) is not None:
+                    roots.append(f"{fqn}.{name}" if fqn else name)
+            return
+        for name, child in module.named_children():
+            visit(f"{fqn}.{name}" if fqn else name, child)
+
+    visit("", model)
+    return roots
+
+
+def _owner(fqn: str, roots: list[str]) -> str:
+    for root in roots:
+        if fqn.startswith(root + "."):
+            return root
+    return ROOT
+
+
+def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[UnitLayout]:
+    """Group the model's unique parameters into units and lay each out as a flat buffer.
+
+    The root unit (parameters outside every unit) comes first, then units in module order.
+    Within a unit, frozen parameters (requires_grad=False) are split into their own unit named
+    `<unit>:frozen`, so a unit is either wholly trained or wholly frozen.
+
+    Raises:
+        ValueError: if a unit mixes dtypes, or a unit policy matched nothing.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    roots = _unit_roots(model, policy)
+    if not policy.is_default and not roots:
+        raise ValueError(
+            "UnitsPolicy matched no module: check module_classes / fqn_prefixes / predicate "
+            "against model.named_modules()"
+        )
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {ROOT: []}
+    for root in roots:
+        groups[root] = []
+    for fqn, p in unique_parameters(model).items():
+        groups[_owner(fqn, roots)].append((fqn, p))
+
+    layouts = []
+    for name, params in groups.items():
+        for trainable in (True, False):
+            chosen = [(f, p) for f, p in params if p.requires_grad == trainable]
+            if not chosen:
+                continue
+            dtypes = {p.dtype for _, p in chosen}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"unit {name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; a unit is one "
+                    "flat buffer of one dtype: cast the model (model.to(dtype)) or split the unit "
+                    "with a UnitsPolicy"
+                )
+            slots, offset = [], 0
+            for fqn, p in chosen:
+                slots.append(ParamSlot(fqn, tuple(p.shape), offset, p.numel()))
+                offset += p.numel()
+            unit_name = name if trainable else name + FROZEN_SUFFIX
+            layouts.append(UnitLayout(unit_name, tuple(slots), dtypes.pop(), world_size, trainable))
+    return layouts
+
+
+def iter_slots(layouts: list[UnitLayout]) -> Iterator[tuple[UnitLayout, ParamSlot]]:
+    for layout in layouts:
+        for slot in layout.slots:
+            yield layout, slot
