@@ -126,8 +126,10 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Tra
         return torch.func.functional_call(model, state, tuple(fi), strict=True)
 
     # A fake forward first, to learn the outputs' structure and which need a grad_output.
+    # Everything runs under the fake mode, so tensors the forward creates itself
+    # (torch.arange for positions, masks) are fake too.
     fp, fb, fi = fresh_args()
-    with torch.enable_grad():
+    with mode, torch.enable_grad():
         out_flat, out_spec = pytree.tree_flatten(forward(fp, fb, fi))
     for i, o in enumerate(out_flat):
         if not isinstance(o, torch.Tensor):
@@ -150,9 +152,10 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Tra
         return [*outs, *grads]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
-    gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
-    detached = [t.detach() for t in flat_args]
-    gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
+    with mode:
+        gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
+        detached = [t.detach() for t in flat_args]
+        gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tags = (

@@ -1,0 +1,186 @@
+"""Eager, single-process fp32 references that the distributed engine must reproduce.
+
+Both references train with `torch.optim.AdamW` and the textbook loop (`loss.backward();
+opt.step(); opt.zero_grad()`), so any difference from the engine is the engine's.
+
+- GPT has no buffers, so data parallelism over equal-sized micro-batches is exactly one model
+  over the whole global batch: the mean of the ranks' local mean losses is the global mean
+  loss, and the mean of their gradients is its gradient. `eager_gpt_reference` runs that.
+- The CNN's BatchNorm makes each rank's forward depend on its own micro-batch and gives each
+  rank its own running statistics. `eager_cnn_reference` therefore emulates DDP with
+  `broadcast_buffers=False` in one process: one replica per rank, gradients averaged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxzero.zoo import CNNConfig, GPTConfig
+
+__all__ = [
+    "clone_state_dict",
+    "eager_cnn_reference",
+    "eager_gpt_reference",
+    "make_cnn_batches",
+    "make_gpt_batches",
+    "rank_slice",
+]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_gpt_batches(cfg: GPTConfig, steps: int, global_batch: int, seed: int) -> list[Batch]:
+    """Random token batches for next-token prediction.
+
+    Each step draws `seq_len + 1` tokens per row; x is the first `seq_len`, y the last
+    `seq_len` (x shifted by one), as in language-model training.
+
+    Args:
+        cfg: The model's shape (vocab_size and seq_len are used).
+        steps: Number of batches.
+        global_batch: Rows per batch, over all ranks.
+        seed: Seed of a private generator; the global RNG is not touched.
+
+    Returns:
+        `steps` pairs (x, y) of LongTensors of shape (global_batch, seq_len).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+def make_cnn_batches(
+    steps: int, global_batch: int, seed: int, cfg: CNNConfig = CNNConfig()
+) -> list[Batch]:
+    """Random images and class labels.
+
+    Args:
+        steps: Number of batches.
+        global_batch: Rows per batch, over all ranks.
+        seed: Seed of a private generator; the global RNG is not touched.
+        cfg: The model's shape (in_channels, image_size, num_classes are used).
+
+    Returns:
+        `steps` pairs (x float32 (B, C, H, W), y int64 (B,)).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shape = (global_batch, cfg.in_channels, cfg.image_size, cfg.image_size)
+    return [
+        (torch.randn(shape, generator=gen), torch.randint(0, cfg.num_classes, (global_batch,), generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def rank_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's rows of a global batch: rows [rank * B/W, (rank + 1) * B/W).
+
+    Raises:
+        ValueError: if the batch does not split evenly, since uneven micro-batches would make
+            the mean of local losses differ from the global loss.
+    """
+    if t.shape[0] % world_size:
+        raise ValueError(
+            f"global batch of {t.shape[0]} rows does not split evenly over {world_size} ranks; "
+            "use a global batch that is a multiple of the world size"
+        )
+    local = t.shape[0] // world_size
+    return t[rank * local : (rank + 1) * local].contiguous()
+
+
+def clone_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of module.state_dict(), safe to keep after training continues."""
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def _build(model_fn: Callable[[], nn.Module], state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    model = model_fn()
+    model.load_state_dict(state_dict)
+    return model.train()
+
+
+def eager_gpt_reference(
+    model_fn: Callable[[], nn.Module],
+    state_dict: dict[str, torch.Tensor],
+    batches: Sequence[Batch],
+    adamw_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Train one model on the whole global batch of every step.
+
+    Args:
+        model_fn: Builds the model (eagerly, on the CPU).
+        state_dict: Initial weights, loaded before training.
+        batches: (x, y) per step; loss is cross-entropy of logits (B, T, V) against y (B, T).
+        adamw_kwargs: Keyword arguments of `torch.optim.AdamW`.
+
+    Returns:
+        `{"losses": [float per step], "state_dict": final state_dict (CPU copies)}`.
+    """
+    model = _build(model_fn, state_dict)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+    losses = []
+    for x, y in batches:
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state_dict": clone_state_dict(model)}
+
+
+def eager_cnn_reference(
+    model_fn: Callable[[], nn.Module],
+    state_dict: dict[str, torch.Tensor],
+    batches: Sequence[Batch],
+    world_size: int,
+    adamw_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Emulate DDP (broadcast_buffers=False) over `world_size` ranks in one process.
+
+    Replica r trains on `rank_slice(batch, r, world_size)` with its own mean loss; the
+    replicas' gradients are averaged and every replica's own AdamW steps with the average. The
+    parameters therefore stay identical across replicas while the BatchNorm running statistics
+    follow each replica's micro-batches.
+
+    Args:
+        model_fn: Builds the model (eagerly, on the CPU).
+        state_dict: Initial weights and buffers, loaded into every replica.
+        batches: (x, y) per step, global batches; loss is cross-entropy of logits (B, K) vs y (B,).
+        world_size: Number of emulated ranks.
+        adamw_kwargs: Keyword arguments of `torch.optim.AdamW`.
+
+    Returns:
+        `{"losses": [[loss of rank r for r in ranks] per step],
+        "state_dicts": [final state_dict of rank r (CPU copies)]}`.
+    """
+    replicas = [_build(model_fn, state_dict) for _ in range(world_size)]
+    opts = [torch.optim.AdamW(m.parameters(), **adamw_kwargs) for m in replicas]
+    params = [list(m.parameters()) for m in replicas]
+    losses = []
+    for x, y in batches:
+        step_losses = []
+        for rank, model in enumerate(replicas):
+            logits = model(rank_slice(x, rank, world_size))
+            loss = F.cross_entropy(logits, rank_slice(y, rank, world_size))
+            loss.backward()
+            step_losses.append(loss.item())
+        for i in range(len(params[0])):
+            grads = [p[i].grad for p in params if p[i].grad is not None]
+            if not grads:
+                continue
+            assert len(grads) == world_size, "replicas disagree on which parameters got a gradient"
+            mean = torch.stack(grads).sum(0) / world_size
+            for p in params:
+                p[i].grad = mean.clone()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(step_losses)
+    return {"losses": losses, "state_dicts": [clone_state_dict(m) for m in replicas]}
