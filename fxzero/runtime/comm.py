@@ -59,13 +59,13 @@ class Comm:
         """Gather every rank's `shard` into `out` (length world_size * shard length)."""
         if count:
             self._count("all_gather", out)
-        work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
+        work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
         return Pending(work, out, None, (shard,))
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
         """Sum `flat` over ranks and keep this rank's slice in `out`; averaged on completion."""
         self._count("reduce_scatter", flat)
-        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Pending(work, out, lambda: out.div_(self.world_size), (flat,))
 
     def all_gather_object(self, obj) -> list:

@@ -1,0 +1,123 @@
+"""Frozen parameters and mismatched ranks, on 2 gloo ranks.
+
+Frozen parameters (requires_grad=False) are gathered like any other but never reduced and take
+no optimizer state; a unit that mixes both is split into `<unit>` and `<unit>:frozen`.
+Ranks that compiled different programs fail at start-up with a clear error instead of hanging
+in a collective whose partner never comes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxzero
+from fxzero import zoo
+from tests.dist.harness import run_ranks
+from tests.dist.reference import eager_gpt_reference, make_gpt_batches, rank_slice
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+FROZEN = ("wpe.weight", "blocks.0.ln_1.weight", "blocks.0.ln_1.bias")
+
+
+def _frozen_gpt():
+    model = zoo.build("gpt-tiny")
+    for name, p in model.named_parameters():
+        if name in FROZEN:
+            p.requires_grad_(False)
+    return model
+
+
+@functools.cache
+def _initial():
+    torch.manual_seed(0)
+    return zoo.build("gpt-tiny").state_dict()
+
+
+@functools.cache
+def _batches():
+    return make_gpt_batches(zoo.GPT_SIZES["tiny"], steps=4, global_batch=8, seed=5)
+
+
+def _train_frozen(rank: int, world_size: int, stage: int, batches, initial):
+    with torch.device("meta"):
+        model = _frozen_gpt()
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW)), state_dict=initial)
+    losses, comm = [], None
+    for x, y in batches:
+        logits = engine(rank_slice(x, rank, world_size))
+        loss = F.cross_entropy(logits.flatten(0, 1), rank_slice(y, rank, world_size).flatten())
+        engine.backward(loss)
+        engine.step()
+        comm = engine.comm_report(reset=True)
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world_size)
+    units = {u.name: (u.padded_numel, u.trainable) for u in engine.layouts}
+    return {
+        "losses": losses,
+        "state": engine.full_state_dict(),
+        "comm": comm,
+        "units": units,
+        "optim_bytes": engine.memory_report()["optimizer_states"],
+    }
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda s: f"stage{s}")
+def frozen_run(request):
+    return request.param, run_ranks(_train_frozen, 2, request.param, _batches(), _initial(), timeout_s=300)
+
+
+@functools.cache
+def _frozen_reference():
+    return eager_gpt_reference(_frozen_gpt, _initial(), _batches(), ADAMW)
+
+
+def test_frozen_parity(frozen_run):
+    _, ranks = frozen_run
+    ref = _frozen_reference()
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for key, want in ref["state_dict"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], want, rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    for name in FROZEN:
+        assert torch.equal(ranks[0]["state"][name], _initial()[name]), f"frozen {name} changed"
+
+
+def test_frozen_units_are_split_gathered_never_reduced(frozen_run):
+    stage, ranks = frozen_run
+    units = ranks[0]["units"]
+    assert units["root:frozen"][1] is False and units["blocks.0:frozen"][1] is False
+    assert units["blocks.0"][1] is True
+    trainable = sum(n for n, t in units.values() if t)
+    everything = sum(n for n, _ in units.values())
+    comm = ranks[0]["comm"]
+    assert comm["reduce_scatter"]["elements"] == trainable
+    if stage == 3:
+        # Gathered in forward and again in backward, except a unit the backward does not read:
+        # the frozen position embedding (no gradient flows into it and no other gradient needs
+        # its value), which is gathered once.
+        gathers = 2 * everything - units["root:frozen"][0]
+    else:
+        gathers = trainable  # stage 2 re-gathers the updated parameters only
+    assert comm["all_gather"]["elements"] == gathers
+    assert ranks[0]["optim_bytes"] == 8 * trainable // 2
+
+
+def _mismatched(rank: int, world_size: int):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny", n_blocks=4 + rank)  # rank 1 has one block more
+    engine = fxzero.compile(model, fxzero.Config(stage=3))
+    engine(model.example_inputs(batch=2)[0])
+
+
+def test_mismatched_ranks_fail_fast_with_a_clear_error():
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_mismatched, 2, timeout_s=120)
+    message = str(info.value)
+    assert "[rank 0] the ranks compiled different schedules" in message or (
+        "[rank 1] the ranks compiled different schedules" in message
+    ), message
+    assert "hang" in message
