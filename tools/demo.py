@@ -38,10 +38,10 @@ TASK_SEED = 1234
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", help="GPT size from fxzero.zoo (default: tiny)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank (default: 8)")
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3), help="ZeRO stage (default: 3)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default: 1e-2)")
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1:
         parser.error("--steps and --batch must be at least 1")
@@ -117,6 +117,7 @@ def main() -> None:
             logits = engine(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             engine.backward(loss)
+            mem = engine.memory_report()  # gradients held, optimizer states from earlier steps
             engine.step()
             step_s = time.perf_counter() - t0
             comm_last = engine.comm_report(reset=True)
@@ -133,11 +134,10 @@ def main() -> None:
                 )
 
         if rank == 0:
-            mem = engine.memory_report()
             keys = ("param_shards", "grad_shards", "optimizer_states", "model_states", "gathered_peak")
             reference = fp32_model_states(phi, world, args.stage)
             print(
-                "memory on rank 0 (MiB): "
+                "memory on rank 0 after the last backward (MiB): "
                 + "  ".join(f"{key} {mib(mem[key])}" for key in keys)
                 + f"  (fp32 model states for ZeRO-{args.stage}: {mib(reference)})",
                 flush=True,
