@@ -19,6 +19,8 @@ from typing import Any, Iterable, Optional
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry
 
 from fxzero.passes.analysis import alias_source, kind
 from fxzero.units import UnitLayout
@@ -60,6 +62,11 @@ class Instruction:
     numel: int = 0
     """Elements moved (collectives) or produced (compute)."""
     bytes: int = 0
+    """Bytes moved (collectives) or produced (compute)."""
+    flops: int = 0
+    """Floating point operations (compute; from torch's FLOP formulas, 0 where it has none)."""
+    read_bytes: int = 0
+    """Bytes of the tensors it reads (compute), for a memory-bound time estimate."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -172,6 +179,22 @@ def _value_bytes(val: Any) -> tuple[int, int]:
     return 0, 0
 
 
+def _flops(node: fx.Node) -> int:
+    """FLOPs of an ATen node by torch's own formulas (matmuls, convolutions, attention)."""
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+
+    def val(a):
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args, kwargs = tree_map(val, (node.args, node.kwargs))
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that cannot read these arguments: count nothing, never fail
+        return 0
+
+
 def _gathered_root(node: fx.Node) -> Optional[fx.Node]:
     """The gathered buffer (an all_gather's wait) that node's value views, if any."""
     while True:
@@ -195,6 +218,8 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
         nbytes = numel * layout.itemsize
     else:
         numel, nbytes = _value_bytes(node.meta.get("val"))
+    flops = _flops(node) if k == "compute" else 0
+    read_bytes = sum(_value_bytes(i.meta.get("val"))[1] for i in node.all_input_nodes) if k == "compute" else 0
     return Instruction(
         name=node.name,
         kind=k,
@@ -204,6 +229,8 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
         touches=tuple(touches),
         numel=numel,
         bytes=nbytes,
+        flops=flops,
+        read_bytes=read_bytes,
     )
 
 
