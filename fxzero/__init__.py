@@ -15,12 +15,22 @@ import torch.nn as nn
 
 from fxzero import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
 from fxzero.compiler import CompiledProgram, compile_program
-from fxzero.config import AdamW, Config, UnitsPolicy
+from fxzero.config import AdamW, Config, LinkEmulation, Prefetch, UnitsPolicy
 from fxzero.runtime.engine import Engine
 
 __version__ = "0.1.0"
 
-__all__ = ["AdamW", "CompiledProgram", "Config", "Engine", "UnitsPolicy", "compile", "compile_program"]
+__all__ = [
+    "AdamW",
+    "CompiledProgram",
+    "Config",
+    "Engine",
+    "LinkEmulation",
+    "Prefetch",
+    "UnitsPolicy",
+    "compile",
+    "compile_program",
+]
 
 
 def compile(

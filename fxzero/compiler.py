@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from fxzero.config import Config
-from fxzero.passes import build_pipeline
+from fxzero.passes import build_pipeline, persistent_units
 from fxzero.passes.runner import PassContext, PassRecord, run_pipeline
 from fxzero.passes.split import Program
 from fxzero.schedule import Schedule, build_schedule
@@ -51,6 +51,10 @@ def compile_program(
         layouts = plan_units(model, config.units, world_size)
     traced = trace_joint(model, example_inputs)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
-    joint, records = run_pipeline(traced.gm, ctx, build_pipeline(stage=config.stage))
-    schedule = build_schedule(ctx.programs, layouts, stage=config.stage, world_size=world_size)
+    joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts))
+    schedule = build_schedule(
+        ctx.programs, layouts, stage=config.stage, world_size=world_size,
+        persistent=persistent_units(config, layouts),
+        prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"),
+    )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch.nn as nn
 
-__all__ = ["AdamW", "Config", "UnitsPolicy"]
+__all__ = ["AdamW", "Config", "LinkEmulation", "Prefetch", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +85,43 @@ class AdamW:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Prefetch:
+    """Start all-gathers early, bounded by bytes of gathered buffers alive at once.
+
+    Like DeepSpeed's stage3_max_live_parameters / stage3_prefetch_bucket_size, but in bytes and
+    applied by a pass, so the resulting schedule and its peak are visible before anything runs.
+    """
+
+    max_live_bytes: Optional[int] = None
+    """Budget for gathered parameter buffers alive at once (in flight or in use). None: the
+    peak the schedule has without prefetch plus the largest unit, i.e. one unit of lookahead."""
+
+    def __post_init__(self) -> None:
+        if self.max_live_bytes is not None and self.max_live_bytes <= 0:
+            raise ValueError(f"Prefetch.max_live_bytes must be positive, got {self.max_live_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkEmulation:
+    """Make collectives complete as if the link had this bandwidth and latency.
+
+    Completion is delayed (the waiting rank sleeps), no CPU is burned, so overlap can be
+    studied on a box whose loopback is nearly free. Real transfers still happen underneath.
+    """
+
+    bandwidth: float
+    """Bytes per second each rank moves over the emulated link."""
+    latency: float = 0.0
+    """Seconds added to every collective."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"LinkEmulation.bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not self.latency >= 0:
+            raise ValueError(f"LinkEmulation.latency must be >= 0 s, got {self.latency}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything `fxzero.compile` needs besides the model."""
 
@@ -96,6 +133,13 @@ class Config:
     """The optimizer run on each rank's shard."""
     seed: int = 0
     """Seed for initializing a model built on the meta device from its own `reset_parameters()`."""
+    prefetch: Optional[Prefetch] = Prefetch()
+    """ZeRO-3: how far ahead all-gathers start; None issues each right before its first use."""
+    persist_threshold: int = 0
+    """ZeRO-3: units with fewer parameters than this stay gathered for the whole step (like
+    stage3_param_persistence_threshold): no per-layer gathers, re-gathered after the step."""
+    link_emulation: Optional[LinkEmulation] = None
+    """Emulate a slower link for every collective (for studying overlap on one box)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -104,6 +148,14 @@ class Config:
             raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
         if not isinstance(self.optimizer, AdamW):
             raise TypeError(f"Config.optimizer must be a fxzero.AdamW, got {type(self.optimizer).__name__}")
+        if self.prefetch is not None and not isinstance(self.prefetch, Prefetch):
+            raise TypeError(f"Config.prefetch must be a fxzero.Prefetch or None, got {type(self.prefetch).__name__}")
+        if self.persist_threshold < 0:
+            raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
+
+    def persistent(self, numel: int) -> bool:
+        """Whether a unit of `numel` parameters is held whole for the whole step."""
+        return self.stage in (1, 2) or numel < self.persist_threshold
 
     @classmethod
     def from_deepspeed(cls, ds: Union[dict[str, Any], str, os.PathLike]) -> "Config":
@@ -125,4 +177,6 @@ class Config:
             eps=float(params.get("eps", 1e-8)),
             weight_decay=float(params.get("weight_decay", 1e-2)),
         )
-        return cls(stage=stage, optimizer=adamw)
+        zero = ds.get("zero_optimization", {})
+        threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
+        return cls(stage=stage, optimizer=adamw, persist_threshold=threshold)

@@ -118,6 +118,10 @@ class Schedule:
     units: tuple[UnitLayout, ...]
     programs: tuple[ProgramSchedule, ...]
     fingerprint: str
+    persistent: tuple[str, ...] = ()
+    """Units held whole for the whole step (ZeRO-1/2, or under the persistence threshold)."""
+    prefetch_budget_bytes: Optional[int] = None
+    """The prefetch pass's budget for gathered buffers alive at once (None: no prefetch)."""
 
     def program(self, name: str) -> ProgramSchedule:
         for p in self.programs:
@@ -140,6 +144,8 @@ class Schedule:
             "units": [u.to_json() for u in self.units],
             "programs": [p.to_json() for p in self.programs],
             "fingerprint": self.fingerprint,
+            "persistent": list(self.persistent),
+            "prefetch_budget_bytes": self.prefetch_budget_bytes,
         }
 
     def dumps(self) -> str:
@@ -159,6 +165,8 @@ class Schedule:
             tuple(UnitLayout.from_json(u) for u in d["units"]),
             tuple(ProgramSchedule.from_json(p) for p in d["programs"]),
             d["fingerprint"],
+            tuple(d.get("persistent", ())),
+            d.get("prefetch_budget_bytes"),
         )
 
     @classmethod
@@ -294,8 +302,8 @@ def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedul
     )
 
 
-def _step_program(layouts: list[UnitLayout], stage: int) -> ProgramSchedule:
-    """The optimizer step: AdamW on each trainable unit's shard; ZeRO-1/2 then re-gather params."""
+def _step_program(layouts: list[UnitLayout], persistent: frozenset[str]) -> ProgramSchedule:
+    """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered."""
     instructions: list[Instruction] = []
     for layout in layouts:
         if not layout.trainable:
@@ -305,7 +313,7 @@ def _step_program(layouts: list[UnitLayout], stage: int) -> ProgramSchedule:
             numel=layout.shard_numel, bytes=layout.shard_numel * layout.itemsize,
         )
         instructions.append(step)
-        if stage in (1, 2):
+        if layout.name in persistent:
             start = Instruction(
                 name=f"all_gather:{layout.name}", kind="all_gather", stream="comm", unit=layout.name,
                 reads=(step.name,), deps=(len(instructions) - 1,), numel=layout.padded_numel,
@@ -335,16 +343,19 @@ def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayo
 
 
 def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage: int,
-                   world_size: int) -> Schedule:
+                   world_size: int, persistent: frozenset[str],
+                   prefetch_budget_bytes: Optional[int] = None) -> Schedule:
     """The Schedule of the forward and backward programs (from the split pass) and the step."""
     by_name = {u.name: u for u in layouts}
     progs = (
         _program_schedule(programs["forward"], by_name),
         _program_schedule(programs["backward"], by_name),
-        _step_program(layouts, stage),
+        _step_program(layouts, persistent),
     )
     schedule = Schedule(
-        SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage)
+        SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),
+        tuple(u.name for u in layouts if u.name in persistent),
+        prefetch_budget_bytes,
     )
     validate(schedule)
     return schedule

@@ -1,15 +1,25 @@
 """The ordered pass pipeline. See README.md beside this file for the IR's invariants."""
 
-from fxzero.passes import insert_gather_free, insert_reduce_scatter, partition, separate_phases, split
+from fxzero.config import Config
+from fxzero.passes import insert_gather_free, insert_reduce_scatter, partition, prefetch, separate_phases, split
 from fxzero.passes.runner import Pass
+from fxzero.units import UnitLayout
 
 
-def build_pipeline(*, stage: int) -> list[Pass]:
-    """The passes for a ZeRO stage: stages differ only in the knobs bound here."""
-    return [
-        partition.make(sharded=stage == 3),
+def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:
+    """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3."""
+    return frozenset(u.name for u in layouts if config.persistent(u.numel))
+
+
+def build_pipeline(config: Config, layouts: list[UnitLayout]) -> list[Pass]:
+    """The passes for a config: ZeRO stages and policies differ only in the knobs bound here."""
+    passes = [
+        partition.make(persistent=persistent_units(config, layouts)),
         separate_phases.PASS,
         insert_gather_free.PASS,
-        insert_reduce_scatter.make(keep_full=stage == 1),
-        split.PASS,
+        insert_reduce_scatter.make(keep_full=config.stage == 1),
     ]
+    if config.prefetch is not None:
+        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
+    passes.append(split.PASS)
+    return passes

@@ -13,8 +13,9 @@ After::
     y = addmm(p_b, x, t(p_w))
 
 The unit placeholder stands for the unit's full flat buffer. Whether it is held sharded
-(ZeRO-3: gathered before use by insert_gather_free) or whole (ZeRO-1/2) is recorded on it as
-`sharded`; this pass itself is the same for every stage.
+(ZeRO-3: gathered before use by insert_gather_free) or whole for the whole step (ZeRO-1/2, and
+small units under the persistence threshold) is recorded on it as `sharded`: that node is where
+the persistence decision is visible. The pass itself is the same for every stage.
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ def _plan(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
     return by_fqn
 
 
-def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, sharded: bool) -> PassResult:
+def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, persistent: frozenset[str]) -> PassResult:
     """Give every unit one flat placeholder and turn parameters into views of it.
 
     Args:
-        sharded: whether units are held as shards between uses (ZeRO-3) or whole (ZeRO-1/2).
+        persistent: units held whole for the whole step; the others are held as shards.
     """
     graph = gm.graph
     by_fqn = _plan(gm, ctx)
@@ -77,7 +78,7 @@ def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, sharded: bool) -> Pa
         with graph.inserting_before(first):
             unit_nodes.append(graph.placeholder(unit_placeholder_name(layout.name)))
     for layout, unit_node in zip(ctx.layouts, unit_nodes):
-        tag(unit_node, kind="unit", unit=layout.name, sharded=sharded)
+        tag(unit_node, kind="unit", unit=layout.name, sharded=layout.name not in persistent)
         some_val = by_fqn[layout.slots[0].fqn].meta.get("val")
         if some_val is not None:
             with some_val.fake_mode:
@@ -97,13 +98,14 @@ def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, sharded: bool) -> Pa
                 tag(view, kind="param_view", unit=layout.name, fqn=slot.fqn)
                 old.replace_all_uses_with(view)
             graph.erase_node(old)
-    return PassResult(gm, changed=True, summary={"units": len(ctx.layouts), "params": len(by_fqn)})
+    summary = {"units": len(ctx.layouts), "params": len(by_fqn), "persistent_units": len(persistent)}
+    return PassResult(gm, changed=True, summary=summary)
 
 
-def make(*, sharded: bool) -> Pass:
+def make(*, persistent: frozenset[str]) -> Pass:
     return Pass(
         "partition",
-        functools.partial(partition_pass, sharded=sharded),
+        functools.partial(partition_pass, persistent=persistent),
         requires=REQUIRES,
         provides=PROVIDES,
     )

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxzero.compiler import CompiledProgram, compile_program
+from fxzero.passes import persistent_units
 from fxzero.config import Config
 from fxzero.runtime.comm import Comm, make_comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
@@ -103,7 +104,7 @@ class Engine:
         self._model = model
         self.layouts = plan_units(model, config.units, self.world_size)
         self.num_params = sum(layout.numel for layout in self.layouts)
-        self._whole = config.stage in (1, 2)
+        self._whole = persistent_units(config, self.layouts)  # units held whole, not sharded
         self._params, self._buffers = materialize(
             model, self.layouts, rank=self.rank, whole=self._whole, state_dict=state_dict, seed=config.seed
         )
@@ -203,7 +204,7 @@ class Engine:
 
     def _shard_of(self, unit: str) -> torch.Tensor:
         """This rank's parameter shard: the storage (ZeRO-3) or a view into the full buffer."""
-        if not self._whole:
+        if unit not in self._whole:
             return self._params[unit]
         lo, hi = self._layout(unit).shard_range(self.rank)
         return self._params[unit][lo:hi]
@@ -251,7 +252,7 @@ class Engine:
         """
         full: dict[str, torch.Tensor] = {}
         for layout in self.layouts:
-            if self._whole:
+            if layout.name in self._whole:
                 flat = self._params[layout.name]
             else:
                 flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
@@ -270,14 +271,19 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds now, by category, plus the peak of gathered buffers.
 
+        param_shards counts all parameter storage, of which persistent_params is held whole
+        (persistent units: every unit at ZeRO-1/2, units under the threshold at ZeRO-3).
+
         Counted from the storages the engine holds (a view of a larger buffer counts the whole
         buffer), not estimated from sizes.
         """
         params = _storage_bytes(self._params.values())
+        persistent = _storage_bytes(t for u, t in self._params.items() if u in self._whole)
         grads = _storage_bytes(self._grads.values())
         optim = sum(s.nbytes for s in self._optim.values())
         return {
             "param_shards": params,
+            "persistent_params": persistent,
             "grad_shards": grads,
             "optimizer_states": optim,
             "model_states": params + grads + optim,

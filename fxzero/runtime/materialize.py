@@ -36,13 +36,13 @@ def _alias_to_unique(model: nn.Module) -> dict[str, str]:
 class _Sink:
     """Receives full parameter values one at a time and keeps this rank's part of each unit."""
 
-    def __init__(self, layouts: list[UnitLayout], rank: int, whole: bool) -> None:
+    def __init__(self, layouts: list[UnitLayout], rank: int, whole: frozenset[str]) -> None:
         self.whole = whole
         self.rank = rank
         self.where: dict[str, tuple[UnitLayout, ParamSlot]] = {}
         self.storage: dict[str, torch.Tensor] = {}
         for layout in layouts:
-            n = layout.padded_numel if whole else layout.shard_numel
+            n = layout.padded_numel if layout.name in whole else layout.shard_numel
             self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype)
             for slot in layout.slots:
                 self.where[slot.fqn] = (layout, slot)
@@ -53,7 +53,7 @@ class _Sink:
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{fqn}: got shape {tuple(value.shape)}, the model has {slot.shape}")
         flat = value.detach().reshape(-1).to(layout.dtype)
-        if self.whole:
+        if layout.name in self.whole:
             self.storage[layout.name][slot.offset : slot.offset + slot.numel].copy_(flat)
         else:
             lo, hi = layout.shard_range(self.rank)
@@ -111,14 +111,15 @@ def materialize(
     layouts: list[UnitLayout],
     *,
     rank: int,
-    whole: bool,
+    whole: frozenset[str],
     state_dict: Optional[Mapping[str, torch.Tensor]] = None,
     seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's flat parameter storage per unit, and the model's buffers (full, on CPU).
 
     Args:
-        whole: keep each unit's whole flat buffer (ZeRO-1/2) rather than this rank's shard.
+        whole: units whose whole flat buffer this rank keeps (persistent units), rather than
+            its shard.
 
     Raises:
         ValueError: if the state_dict lacks parameters or has wrong shapes.

@@ -25,6 +25,13 @@ from tests.dist.reference import eager_gpt_reference, make_gpt_batches, rank_sli
 
 WORLD = 4
 STAGES = (1, 2, 3)
+# Stage 3 is measured as issue-before-use (the two-largest-units bound) and with prefetch.
+CONFIGS = {
+    1: fxzero.Config(stage=1),
+    2: fxzero.Config(stage=2),
+    3: fxzero.Config(stage=3, prefetch=None),
+    "3+prefetch": fxzero.Config(stage=3),
+}
 # A large eps makes AdamW's update depend on the gradient's size, so a wrongly scaled
 # reduction (a sum instead of an average) shows in the parameters, not only in their signs.
 SCALE_SENSITIVE = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-1, weight_decay=0.0)
@@ -36,10 +43,10 @@ def _gpt_tiny():
 
 def _measure(rank: int, world_size: int, batches, initial) -> dict:
     out = {}
-    for stage in STAGES:
+    for key, config in CONFIGS.items():
         with torch.device("meta"):
             model = _gpt_tiny()
-        engine = fxzero.compile(model, fxzero.Config(stage=stage))
+        engine = fxzero.compile(model, config)
         comm_per_step, memory = [], None
         for i, (x, y) in enumerate(batches[:3]):
             logits = engine(rank_slice(x, rank, world_size))
@@ -49,7 +56,14 @@ def _measure(rank: int, world_size: int, batches, initial) -> dict:
             engine.step()
             comm_per_step.append(engine.comm_report(reset=True))
         units = [(u.name, u.numel, u.padded_numel, u.trainable) for u in engine.layouts]
-        out[stage] = {"memory": memory, "comm": comm_per_step, "units": units, "phi": engine.num_params}
+        out[key] = {
+            "memory": memory,
+            "comm": comm_per_step,
+            "units": units,
+            "phi": engine.num_params,
+            "budget": engine.schedule.prefetch_budget_bytes,
+            "schedule_peak": engine.schedule.peak_gathered_bytes,
+        }
         torch.distributed.barrier()
     # Gradient scale: stage 3 with a scale-sensitive AdamW against the eager reference.
     with torch.device("meta"):
@@ -115,6 +129,20 @@ def test_stage3_gathered_peak_bounded_by_two_largest_units(runs):
         assert 0 < peak <= sum(two_largest), f"rank {rank}: gathered peak {peak} B > two largest units {two_largest}"
     for stage in (1, 2):
         assert runs[0][stage]["memory"]["gathered_peak"] == 0, f"stage {stage} gathers nothing per layer"
+
+
+def test_prefetch_stays_within_its_budget(runs):
+    for rank in range(WORLD):
+        run = runs[rank]["3+prefetch"]
+        peak, budget = run["memory"]["gathered_peak"], run["budget"]
+        assert budget is not None and run["schedule_peak"] <= budget
+        assert peak == run["schedule_peak"], "the runtime's peak must be the schedule's"
+        assert peak > runs[rank][3]["memory"]["gathered_peak"], "prefetch should hold more in flight"
+
+
+def test_prefetch_keeps_traffic(runs):
+    for rank in range(WORLD):
+        assert runs[rank]["3+prefetch"]["comm"] == runs[rank][3]["comm"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -1,0 +1,239 @@
+"""Cost model and simulator: what a schedule would cost on some hardware, without running it.
+
+A `CostModel` prices an instruction: compute from its FLOPs and bytes (the slower of the two,
+plus a fixed dispatch overhead per op), a collective from a latency/bandwidth model of the link
+(ring algorithms: each rank sends (N-1)/N of the buffer). `simulate` replays a Schedule on a
+compute stream and a comm stream and returns the step time, the communication left exposed
+(compute waiting on a collective) and the peak of gathered memory.
+
+Presets describe hardware we do not have (`PRESETS`); `calibrate()` measures the machine at
+hand (a matmul probe, a copy probe and, in a process group, an all-gather sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+
+from fxzero.schedule import COLLECTIVES, Instruction, Schedule
+
+__all__ = ["CostModel", "Event", "Link", "PRESETS", "SimResult", "calibrate", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One collective kind on one interconnect: time = latency + wire bytes / bandwidth."""
+
+    bandwidth: float
+    """Bytes per second one rank moves (algorithm bandwidth of the ring)."""
+    latency: float = 0.0
+    """Seconds per collective, independent of size."""
+
+    def seconds(self, nbytes: int, world_size: int) -> float:
+        if world_size <= 1:
+            return 0.0
+        wire = nbytes * (world_size - 1) / world_size
+        return self.latency + wire / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    name: str
+    flops_per_s: float
+    """Sustained matmul FLOP rate of one rank."""
+    mem_bytes_per_s: float
+    """Bytes per second one rank reads plus writes in memory-bound ops."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of dispatching one op (the Python executor and ATen dispatch)."""
+    links: dict[str, Link] = dataclasses.field(default_factory=dict)
+    """Per collective kind: all_gather, reduce_scatter, all_reduce."""
+    world_size: Optional[int] = None
+    """Ranks the collectives run over; None: the schedule's own world size."""
+
+    def compute_seconds(self, ins: Instruction) -> float:
+        if ins.kind == "optim_step":
+            # AdamW reads param, grad, two moments and writes three: ~7 passes over the shard.
+            return self.op_overhead_s * 10 + 7 * ins.bytes / self.mem_bytes_per_s
+        if ins.kind != "compute":
+            return self.op_overhead_s if ins.kind in ("wait", "free") else 0.0
+        return self.op_overhead_s + max(ins.flops / self.flops_per_s, (ins.read_bytes + ins.bytes) / self.mem_bytes_per_s)
+
+    def collective_seconds(self, kind: str, nbytes: int, world_size: int) -> float:
+        link = self.links.get(kind)
+        if link is None:
+            raise ValueError(f"cost model {self.name!r} has no link for {kind!r}; add one to links=")
+        return link.seconds(nbytes, self.world_size or world_size)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        return d
+
+
+def _gbps(x: float) -> float:
+    return x * 1e9
+
+
+PRESETS: dict[str, CostModel] = {
+    # 8 x H100 SXM on NVLink 4 (about 450 GB/s bus bandwidth per GPU for NCCL collectives),
+    # fp32 without tensor cores about 50 TFLOP/s, HBM3 3 TB/s.
+    "h100x8-nvlink": CostModel(
+        name="h100x8-nvlink", flops_per_s=50e12, mem_bytes_per_s=3e12, op_overhead_s=5e-6,
+        links={k: Link(bandwidth=_gbps(360), latency=15e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        world_size=8,
+    ),
+    # 64 GPUs (8 nodes) on 400 Gb/s links: the inter-node ring runs at ~45 GB/s per rank.
+    "h100x64-ib400": CostModel(
+        name="h100x64-ib400", flops_per_s=50e12, mem_bytes_per_s=3e12, op_overhead_s=5e-6,
+        links={k: Link(bandwidth=_gbps(45), latency=40e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        world_size=64,
+    ),
+    # This kind of machine: 2 vCPU, gloo over loopback, one thread per rank (shared/ANCHORS.md).
+    "cpu-loopback": CostModel(
+        name="cpu-loopback", flops_per_s=90e9, mem_bytes_per_s=_gbps(5), op_overhead_s=25e-6,
+        links={
+            "all_gather": Link(bandwidth=_gbps(1.2), latency=1e-4),
+            "reduce_scatter": Link(bandwidth=_gbps(0.8), latency=1e-4),
+            "all_reduce": Link(bandwidth=_gbps(1.4) * 2, latency=1e-4),
+        },
+    ),
+}
+
+
+def preset(name: str) -> CostModel:
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    program: str
+    index: int
+    name: str
+    kind: str
+    stream: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    step_seconds: float
+    compute_seconds: float
+    """Busy time of the compute stream."""
+    comm_seconds: float
+    """Busy time of the comm stream."""
+    exposed_comm_seconds: float
+    """Time the compute stream sat waiting for collectives."""
+    peak_gathered_bytes: int
+    events: tuple[Event, ...]
+
+    def summary(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "events"}
+
+
+def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
+    """Replay `schedule`'s programs (forward, backward, step) on a compute and a comm stream.
+
+    Each instruction starts when its stream is free and its dependencies have ended; a
+    collective runs on the comm stream, one at a time in issue order; its wait (on the compute
+    stream) ends when the collective has. Programs run back to back.
+    """
+    world = schedule.world_size
+    clock = {"compute": 0.0, "comm": 0.0}
+    busy = {"compute": 0.0, "comm": 0.0}
+    exposed = 0.0
+    events: list[Event] = []
+    for program in schedule.programs:
+        start_of_program = max(clock.values())
+        clock = {"compute": start_of_program, "comm": start_of_program}
+        end: dict[str, float] = {}
+        by_index: list[float] = []
+        for idx, ins in enumerate(program.instructions):
+            ready = max((by_index[d] for d in ins.deps), default=start_of_program)
+            if ins.kind in COLLECTIVES:
+                # Issued by the compute stream in program order, carried out by the comm stream.
+                begin = max(clock["comm"], ready, clock["compute"])
+                duration = cost.collective_seconds(ins.kind if ins.kind in cost.links else "all_gather", ins.bytes, world)
+                stream = "comm"
+            else:
+                begin = max(clock["compute"], ready)
+                duration = cost.compute_seconds(ins)
+                stream = "compute"
+                if ins.kind == "wait" and ins.reads:
+                    collective_end = end.get(ins.reads[0], begin)
+                    if collective_end > begin:
+                        exposed += collective_end - begin
+                        begin = collective_end
+            finish = begin + duration
+            clock[stream] = finish
+            busy[stream] += duration
+            end[ins.name] = finish
+            by_index.append(finish)
+            events.append(Event(program.name, idx, ins.name, ins.kind, stream, begin, finish))
+    return SimResult(
+        step_seconds=max(clock.values()),
+        compute_seconds=busy["compute"],
+        comm_seconds=busy["comm"],
+        exposed_comm_seconds=exposed,
+        peak_gathered_bytes=schedule.peak_gathered_bytes,
+        events=tuple(events),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23), name: str = "measured") -> CostModel:
+    """Measure this machine: matmul rate, memory bandwidth, op overhead, and (given a Comm of
+    a process group) an all-gather / reduce-scatter / all-reduce sweep fit to latency + bytes/bw.
+
+    Every rank of `comm` must call it together.
+    """
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n**3 / _time(lambda: a @ b, 5)
+    big = torch.empty(1 << 24)
+    src = torch.randn(1 << 24)
+    mem = 2 * big.numel() * 4 / _time(lambda: big.copy_(src), 5)
+    tiny = torch.ones(8)
+    overhead = _time(lambda: [torch.ops.aten.add.Tensor(tiny, tiny) for _ in range(200)], 3) / 200
+    links: dict[str, Link] = {}
+    world = 1 if comm is None else comm.world_size
+    if comm is not None and world > 1:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            points = []
+            for size in sizes:
+                flat = torch.ones(size)
+                shard = torch.ones(size // world)
+                if kind == "all_gather":
+                    op = lambda: comm.all_gather(flat, shard, count=False).wait()  # noqa: E731
+                elif kind == "reduce_scatter":
+                    op = lambda: comm.reduce_scatter(shard, flat, count=False).wait()  # noqa: E731
+                else:
+                    op = lambda: comm.all_reduce(flat, count=False).wait()  # noqa: E731
+                points.append((size * 4 * (world - 1) / world, _time(op, 3)))
+            (x0, t0), (x1, t1) = points[0], points[-1]
+            bandwidth = (x1 - x0) / max(t1 - t0, 1e-9)
+            links[kind] = Link(bandwidth=bandwidth, latency=max(t0 - x0 / bandwidth, 0.0))
+    else:
+        links = dict(PRESETS["cpu-loopback"].links)
+    return CostModel(name=name, flops_per_s=flops, mem_bytes_per_s=mem, op_overhead_s=overhead, links=links)
