@@ -45,13 +45,19 @@ def compile_program(
     *,
     world_size: int,
     layouts: list[UnitLayout] | None = None,
+    cost_model=None,
 ) -> CompiledProgram:
-    """Trace `model` on inputs shaped like `example_inputs` and schedule it for `world_size` ranks."""
+    """Trace `model` on inputs shaped like `example_inputs` and schedule it for `world_size` ranks.
+
+    Args:
+        cost_model: a `fxzero.cost.CostModel` the passes use to choose how collectives run;
+            None keeps the native ones.
+    """
     if layouts is None:
         layouts = plan_units(model, config.units, world_size)
     traced = trace_joint(model, example_inputs)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
-    joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts))
+    joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(
         ctx.programs, layouts, stage=config.stage, world_size=world_size,
         persistent=persistent_units(config, layouts),

@@ -140,6 +140,11 @@ class Config:
     stage3_param_persistence_threshold): no per-layer gathers, re-gathered after the step."""
     link_emulation: Optional[LinkEmulation] = None
     """Emulate a slower link for every collective (for studying overlap on one box)."""
+    cost_model: Any = "measure"
+    """What prices the compiler's choices (e.g. reduce-scatter vs all-reduce): "measure"
+    calibrates this machine when the engine starts (rank 0's figures, shared by all ranks), a
+    preset name from `fxzero.cost.PRESETS`, a `fxzero.cost.CostModel`, or None (native
+    collectives, no choices)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -150,6 +155,11 @@ class Config:
             raise TypeError(f"Config.optimizer must be a fxzero.AdamW, got {type(self.optimizer).__name__}")
         if self.prefetch is not None and not isinstance(self.prefetch, Prefetch):
             raise TypeError(f"Config.prefetch must be a fxzero.Prefetch or None, got {type(self.prefetch).__name__}")
+        if not (self.cost_model is None or isinstance(self.cost_model, str) or hasattr(self.cost_model, "links")):
+            raise TypeError(
+                f"Config.cost_model must be 'measure', a preset name, a fxzero.cost.CostModel or "
+                f"None, got {type(self.cost_model).__name__}"
+            )
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
 

@@ -202,18 +202,18 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
-def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23), name: str = "measured") -> CostModel:
+def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 14, 1 << 21), name: str = "measured") -> CostModel:
     """Measure this machine: matmul rate, memory bandwidth, op overhead, and (given a Comm of
     a process group) an all-gather / reduce-scatter / all-reduce sweep fit to latency + bytes/bw.
 
     Every rank of `comm` must call it together.
     """
-    n = 1024
+    n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = 2 * n**3 / _time(lambda: a @ b, 5)
-    big = torch.empty(1 << 24)
-    src = torch.randn(1 << 24)
-    mem = 2 * big.numel() * 4 / _time(lambda: big.copy_(src), 5)
+    flops = 2 * n**3 / _time(lambda: a @ b, 3)
+    big = torch.empty(1 << 22)
+    src = torch.randn(1 << 22)
+    mem = 2 * big.numel() * 4 / _time(lambda: big.copy_(src), 3)
     tiny = torch.ones(8)
     overhead = _time(lambda: [torch.ops.aten.add.Tensor(tiny, tiny) for _ in range(200)], 3) / 200
     links: dict[str, Link] = {}
@@ -230,7 +230,7 @@ def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23)
                     op = lambda: comm.reduce_scatter(shard, flat, count=False).wait()  # noqa: E731
                 else:
                     op = lambda: comm.all_reduce(flat, count=False).wait()  # noqa: E731
-                points.append((size * 4 * (world - 1) / world, _time(op, 3)))
+                points.append((size * 4 * (world - 1) / world, _time(op, 2)))
             (x0, t0), (x1, t1) = points[0], points[-1]
             bandwidth = (x1 - x0) / max(t1 - t0, 1e-9)
             links[kind] = Link(bandwidth=bandwidth, latency=max(t0 - x0 / bandwidth, 0.0))

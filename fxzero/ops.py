@@ -87,12 +87,15 @@ def flatten_grads(
 
     A missing gradient (a parameter the loss does not depend on) stays zero.
     """
-    out = torch.zeros(padded_numel, dtype=dtype)
+    out = torch.empty(padded_numel, dtype=dtype)
     offset = 0
     for g, n in zip(grads, numels):
-        if g is not None:
+        if g is None:
+            out[offset : offset + n].zero_()
+        else:
             out[offset : offset + n].copy_(g.reshape(-1))
         offset += n
+    out[offset:].zero_()  # padding
     return out
 
 

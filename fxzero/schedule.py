@@ -67,6 +67,8 @@ class Instruction:
     """Floating point operations (compute; from torch's FLOP formulas, 0 where it has none)."""
     read_bytes: int = 0
     """Bytes of the tensors it reads (compute), for a memory-bound time estimate."""
+    algorithm: str = ""
+    """How a collective is carried out, when not natively (e.g. a reduce-scatter as all_reduce)."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -220,6 +222,7 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
     unit = meta.get("unit")
     k = k if k in ("all_gather", "reduce_scatter", "wait", "free") else "compute"
     touches = sorted({r.name for r in map(_gathered_root, node.all_input_nodes) if r is not None})
+    algorithm = meta.get("algorithm", "") if k in COLLECTIVES else ""
     if k in COLLECTIVES:
         layout = layouts[unit]
         numel = layout.padded_numel
@@ -239,6 +242,7 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
         bytes=nbytes,
         flops=flops,
         read_bytes=read_bytes,
+        algorithm=algorithm,
     )
 
 
@@ -338,7 +342,7 @@ def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayo
     for p in programs:
         for i in p.instructions:
             if i.kind in COLLECTIVES:
-                h.update(f"{p.name}|{i.kind}|{i.unit}|{i.numel}|{i.bytes};".encode())
+                h.update(f"{p.name}|{i.kind}|{i.algorithm}|{i.unit}|{i.numel}|{i.bytes};".encode())
     return h.hexdigest()[:16]
 
 

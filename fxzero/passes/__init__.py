@@ -1,7 +1,15 @@
 """The ordered pass pipeline. See README.md beside this file for the IR's invariants."""
 
 from fxzero.config import Config
-from fxzero.passes import insert_gather_free, insert_reduce_scatter, partition, prefetch, separate_phases, split
+from fxzero.passes import (
+    choose_collectives,
+    insert_gather_free,
+    insert_reduce_scatter,
+    partition,
+    prefetch,
+    separate_phases,
+    split,
+)
 from fxzero.passes.runner import Pass
 from fxzero.units import UnitLayout
 
@@ -11,14 +19,18 @@ def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str
     return frozenset(u.name for u in layouts if config.persistent(u.numel))
 
 
-def build_pipeline(config: Config, layouts: list[UnitLayout]) -> list[Pass]:
-    """The passes for a config: ZeRO stages and policies differ only in the knobs bound here."""
+def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -> list[Pass]:
+    """The passes for a config: ZeRO stages and policies differ only in the knobs bound here.
+
+    `cost_model` (a `fxzero.cost.CostModel`, or None) prices the choices passes make.
+    """
     passes = [
         partition.make(persistent=persistent_units(config, layouts)),
         separate_phases.PASS,
         insert_gather_free.PASS,
         insert_reduce_scatter.make(keep_full=config.stage == 1),
     ]
+    passes.append(choose_collectives.make(cost_model=cost_model))
     if config.prefetch is not None:
         passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
     passes.append(split.PASS)

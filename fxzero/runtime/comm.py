@@ -1,18 +1,28 @@
-"""Collectives: asynchronous all-gather and reduce-scatter on flat buffers, with byte counters.
+"""Collectives: asynchronous all-gather, reduce-scatter and all-reduce on flat buffers.
 
 `Comm` wraps torch.distributed (gloo on CPU, NCCL on CUDA); `LocalComm` is a world of one with
-no process group, where a gather is a copy and a reduce-scatter is the identity. Both count
-what each collective kind moves, for `Engine.comm_report()`.
+no process group, where a gather is a copy and a reduction the identity. Both count what each
+logical collective moves, for `Engine.comm_report()`, and both can emulate a slower link.
+
+[Note: link emulation]
+With `LinkEmulation(bandwidth, latency)`, every collective is given a deadline as if it ran on
+that link, one after another (the link is busy until the previous collective's deadline): the
+transfer itself happens at loopback speed, and `Pending.wait()` then sleeps until the deadline.
+The waiting rank sleeps rather than spins, so compute elsewhere (the other rank's, or this
+rank's work issued before the wait) proceeds: overlap can be measured on a CPU box.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+from fxzero.config import LinkEmulation
 
 __all__ = ["Comm", "LocalComm", "Pending", "make_comm"]
 
@@ -22,6 +32,8 @@ class Traffic:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    via_all_reduce: int = 0
+    """Calls of a logical reduce-scatter carried out as an all-reduce (see the schedule)."""
 
 
 class Pending(NamedTuple):
@@ -29,25 +41,47 @@ class Pending(NamedTuple):
 
     work: Optional[dist.Work]
     result: torch.Tensor
-    finish: Optional[Callable[[], torch.Tensor]]
+    finish: Optional[Callable[[], torch.Tensor]] = None
     """Runs after the wait (e.g. average, copy into place); returns the final value."""
     keep_alive: tuple = ()
     """Buffers the collective reads, held until it completes."""
+    deadline: float = 0.0
+    """Emulated completion time (time.monotonic()); 0 without link emulation."""
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
+        if self.deadline:
+            remaining = self.deadline - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
         return self.finish() if self.finish is not None else self.result
+
+
+class _EmulatedLink:
+    """See [Note: link emulation]."""
+
+    def __init__(self, link: LinkEmulation, world_size: int) -> None:
+        self.link = link
+        self.world_size = world_size
+        self.busy_until = 0.0
+
+    def deadline(self, nbytes: int, passes: int = 1) -> float:
+        wire = passes * nbytes * (self.world_size - 1) / max(self.world_size, 1)
+        start = max(time.monotonic(), self.busy_until)
+        self.busy_until = start + self.link.latency + wire / self.link.bandwidth
+        return self.busy_until
 
 
 class Comm:
     """Collectives over a torch.distributed process group."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, link: Optional[LinkEmulation] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.traffic: dict[str, Traffic] = collections.defaultdict(Traffic)
+        self.link = _EmulatedLink(link, self.world_size) if link is not None else None
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         c = self.traffic[kind]
@@ -55,27 +89,60 @@ class Comm:
         c.elements += t.numel()
         c.bytes += t.numel() * t.element_size()
 
+    def _deadline(self, t: torch.Tensor, passes: int = 1) -> float:
+        return self.link.deadline(t.numel() * t.element_size(), passes) if self.link else 0.0
+
+    # Each collective: count, then issue. Overridden by LocalComm for a world of one.
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Optional[dist.Work]:
+        return dist.all_gather_single(out, shard, group=self.group, async_op=True)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Optional[dist.Work]:
+        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _all_reduce(self, flat: torch.Tensor) -> Optional[dist.Work]:
+        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, count: bool = True) -> Pending:
         """Gather every rank's `shard` into `out` (length world_size * shard length)."""
         if count:
             self._count("all_gather", out)
-        work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
-        return Pending(work, out, None, (shard,))
+        work = self._all_gather(out, shard)
+        return Pending(work, out, keep_alive=(shard,), deadline=self._deadline(out))
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
-        """Sum `flat` over ranks and keep this rank's slice in `out`; averaged on completion."""
-        self._count("reduce_scatter", flat)
-        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Pending(work, out, lambda: out.div_(self.world_size), (flat,))
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, *, count: bool = True,
+                       via_all_reduce: bool = False) -> Pending:
+        """Average `flat` over ranks; `out` receives this rank's slice.
+
+        With `via_all_reduce`, `flat` itself is all-reduced in place and sliced: on backends
+        without a native reduce-scatter (gloo) that can be the faster way; `flat` is clobbered.
+        """
+        if count:
+            self._count("reduce_scatter", flat)
+        n = out.numel()
+        if via_all_reduce:
+            if count:
+                self.traffic["reduce_scatter"].via_all_reduce += 1
+            work = self._all_reduce(flat)
+            mine = flat[self.rank * n : (self.rank + 1) * n]
+
+            def finish() -> torch.Tensor:
+                return out.copy_(mine).div_(self.world_size)
+
+            # An all-reduce moves the buffer twice (reduce-scatter, then all-gather).
+            return Pending(work, out, finish, (flat,), self._deadline(flat, passes=2))
+        work = self._reduce_scatter(out, flat)
+        return Pending(work, out, lambda: out.div_(self.world_size), (flat,), self._deadline(flat))
+
+    def all_reduce(self, flat: torch.Tensor, *, count: bool = True) -> Pending:
+        """Sum `flat` over ranks, in place."""
+        if count:
+            self._count("all_reduce", flat)
+        return Pending(self._all_reduce(flat), flat, deadline=self._deadline(flat, passes=2))
 
     def all_gather_object(self, obj) -> list:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=self.group)
-        return t
 
     def report(self, reset: bool = False) -> dict[str, dict[str, int]]:
         out = {k: dataclasses.asdict(v) for k, v in sorted(self.traffic.items())}
@@ -87,32 +154,28 @@ class Comm:
 class LocalComm(Comm):
     """A world of one: no process group, collectives are local copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, link: Optional[LinkEmulation] = None) -> None:
         self.group = None
         self.rank = 0
         self.world_size = 1
         self.traffic = collections.defaultdict(Traffic)
+        self.link = _EmulatedLink(link, 1) if link is not None else None
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, count: bool = True) -> Pending:
-        if count:
-            self._count("all_gather", out)
+    def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         out.copy_(shard)
-        return Pending(None, out, None)
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Pending:
-        self._count("reduce_scatter", flat)
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         out.copy_(flat)
-        return Pending(None, out, None)
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        return None
 
     def all_gather_object(self, obj) -> list:
         return [obj]
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
 
-
-def make_comm() -> Comm:
+def make_comm(link: Optional[LinkEmulation] = None) -> Comm:
     """The Comm for this process: the default process group if there is one, else a world of one."""
     if dist.is_available() and dist.is_initialized():
-        return Comm()
-    return LocalComm()
+        return Comm(link=link)
+    return LocalComm(link=link)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from fxzero import cost
 from fxzero.compiler import CompiledProgram, compile_program
 from fxzero.passes import persistent_units
 from fxzero.config import Config
@@ -34,6 +35,9 @@ from fxzero.schedule import check_fingerprints
 from fxzero.units import plan_units
 
 __all__ = ["Engine"]
+
+# Calibrated cost models, per (world size, comm kind, link emulation): measured once a process.
+_MEASURED: dict = {}
 
 
 def _ensure_process_group() -> None:
@@ -99,7 +103,7 @@ class Engine:
             raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
         _ensure_process_group()
         self.config = config
-        self.comm = make_comm()
+        self.comm = make_comm(config.link_emulation)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._model = model
         self.layouts = plan_units(model, config.units, self.world_size)
@@ -113,15 +117,29 @@ class Engine:
         self._cache: dict[Any, _Compiled] = {}
         self._gathered = GatheredMemory()
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
+        self.cost_model = self._resolve_cost_model(config.cost_model)
         self._last: Optional[_Compiled] = None
 
     # -- compile ---------------------------------------------------------------------------
+
+    def _resolve_cost_model(self, spec):
+        if spec is None or not isinstance(spec, str):
+            return spec
+        if spec != "measure":
+            return cost.preset(spec)
+        key = (self.world_size, type(self.comm).__name__, self.config.link_emulation)
+        if key not in _MEASURED:
+            measured = cost.calibrate(comm=self.comm)
+            # Every rank must make the same choices: all take rank 0's figures.
+            _MEASURED[key] = self.comm.all_gather_object(measured)[0]
+        return _MEASURED[key]
 
     def _compiled_for(self, inputs: tuple[torch.Tensor, ...]) -> _Compiled:
         key = (self._model.training, tuple((tuple(x.shape), x.dtype) for x in inputs))
         if key not in self._cache:
             compiled = compile_program(
-                self._model, inputs, self.config, world_size=self.world_size, layouts=self.layouts
+                self._model, inputs, self.config, world_size=self.world_size, layouts=self.layouts,
+                cost_model=self.cost_model,
             )
             check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
             self._cache[key] = _Compiled(compiled, self.comm, self._gathered)
@@ -226,7 +244,9 @@ class Engine:
         for ins in step_program.instructions:
             if ins.kind == "optim_step":
                 shard = self._shard_of(ins.unit)
-                state = self._optim.setdefault(ins.unit, AdamWState.zeros_like(shard))
+                if ins.unit not in self._optim:
+                    self._optim[ins.unit] = AdamWState.zeros_like(shard)
+                state = self._optim[ins.unit]
                 ranges = self._layout(ins.unit).shard_ranges(self.rank, skip=gradless)
                 adamw_step(shard, self._grads[ins.unit], state, self.config.optimizer, ranges)
             elif ins.kind == "all_gather":

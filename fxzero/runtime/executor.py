@@ -97,11 +97,12 @@ class ProgramRunner:
             return all_gather
         if kind == "reduce_scatter":
             src, keep_full = node.args[0].name, bool(node.args[3])
+            via_all_reduce = ins.algorithm == "all_reduce"
 
             def reduce_scatter(env: dict) -> Pending:
                 flat = env[src]
                 n = flat.numel() // self.comm.world_size
-                pending = self.comm.reduce_scatter(flat.new_empty(n), flat)
+                pending = self.comm.reduce_scatter(flat.new_empty(n), flat, via_all_reduce=via_all_reduce)
                 if not keep_full:
                     return pending
                 # ZeRO-1: the averaged shard goes back into this rank's slice of the full buffer,
