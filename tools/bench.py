@@ -1,0 +1,155 @@
+"""fxzero side by side with DDP, FSDP2 and DeepSpeed ZeRO-3: same model, batch, ranks and data.
+
+    .venv-bench/bin/python tools/bench.py --model small --rounds 3 > bench-small.jsonl
+    .venv-bench/bin/python tools/bench.py --quick          # tiny model, 2 steps, 1 round
+
+(`bash scripts/bench-env.sh` creates .venv-bench with torch 2.13.0+cpu, fxzero and DeepSpeed.
+With another interpreter the DeepSpeed systems are reported as unavailable.)
+
+One invocation runs every requested system on the same model, micro-batch per rank and ranks,
+alternating runs (A, B, C, A, B, C, ... for --rounds rounds) so that drifts of a noisy machine
+spread over all systems. Every run starts fresh rank processes (gloo, one thread each), builds
+the model from the same seed, trains --warmup untimed then --steps timed steps on the same
+batches, and reports median step time, peak RSS per rank (VmHWM), traffic per step and the
+losses. JSON lines go to stdout ("config", "unavailable", "run", "system", "summary");
+progress goes to stderr. See tools/bench/report.py for each line's fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.bench import report  # noqa: E402
+from tools.bench.launch import run_system  # noqa: E402
+from tools.bench.spec import MODEL_PRESETS, RunSpec  # noqa: E402
+from tools.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, unavailable  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="systems: " + ", ".join(f"{n} ({s.description})" for n, s in SYSTEMS.items()),
+    )
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="zoo GPT size (default: small, ~25M)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default: 2)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (default: 6)")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default: the model's preset)")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (default: 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is killed (default: 1800)")
+    parser.add_argument("--keep-logs", metavar="DIR", default=None, help="keep every rank's log and result under DIR")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 timed step, 1 round (for tests)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.rounds, args.warmup, args.steps = "tiny", 1, 1, 1
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def progress(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def count_params(model_name: str) -> int:
+    import torch
+    from fxzero.zoo import gpt
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in gpt(model_name).parameters())  # tied weights once
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "deepspeed", "fxzero"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_state() -> str:
+    """The checkout's commit, with "-dirty" when fxzero's files differ from it."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    preset = dict(MODEL_PRESETS[args.model])
+    if args.batch is not None:
+        preset["batch"] = args.batch
+    spec = RunSpec(
+        **preset, world_size=args.ranks, threads=args.threads, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout
+    )
+    num_params = count_params(spec.model)
+    emit({"event": "config", "spec": dataclasses.asdict(spec), "num_params": num_params, "rounds": args.rounds,
+          "systems": args.systems, "python_executable": sys.executable, "versions": versions(), "git": git_state(), "cpus": os.cpu_count(),
+          "order": "alternating: every system once per round, in the order given"})
+
+    missing: dict[str, str] = {}
+    runnable = []
+    for name in args.systems:
+        why = unavailable(name, spec)
+        if why is None:
+            runnable.append(name)
+        else:
+            missing[name] = why
+            emit({"event": "unavailable", "system": name, "reason": why})
+    if args.keep_logs:
+        os.makedirs(args.keep_logs, exist_ok=True)
+
+    runs: dict[str, list[dict]] = {name: [] for name in runnable}
+    for round_ in range(1, args.rounds + 1):
+        for name in runnable:
+            if runs[name] and not any(r["ok"] for r in runs[name]):
+                continue  # failed every time so far: a deterministic failure, don't repeat it
+            t0 = time.perf_counter()
+            result = run_system(name, spec, log_dir=args.keep_logs)
+            line = report.run_line(name, round_, result, spec.steps, spec.warmup)
+            runs[name].append(line)
+            emit(line)
+            status = f"median {line['median_step_s']:.3f} s/step" if line["ok"] else "FAILED"
+            progress(f"round {round_}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.1f} s)")
+
+    systems: dict[str, dict] = {}
+    order = sorted(runnable, key=lambda n: n != "ddp")  # DDP first: the loss reference
+    for name in order:
+        reference = systems.get("ddp") if name != "ddp" else None
+        systems[name] = report.system_line(name, SYSTEMS[name].description, runs[name], reference)
+    for name in runnable:  # in the order asked for
+        emit(systems[name])
+    emit(report.summary_line({n: systems[n] for n in runnable}, num_params, spec.model, missing))
+    return 0 if all(s.get("rounds_ok") for s in systems.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

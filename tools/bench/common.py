@@ -1,0 +1,134 @@
+"""What every rank does alike, whatever system it runs: model, data, timing, memory, traffic.
+
+Same model, same weights: every system builds `fxzero.zoo.gpt(spec.model)` right after
+`torch.manual_seed(spec.seed)`, eagerly (fxzero builds on the meta device and is handed the
+eager model's state_dict, or initializes from the same seed; see `fxzero_engine.py`).
+
+Same data: a synthetic, learnable task (as in `tools/demo.py`): each target token is a fixed
+permutation of its input token. Rank r's batch at step s comes from its own generator seeded
+by (data_seed, s, r), so every system sees exactly the same batches, round after round.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tools.bench.spec import RunSpec
+
+__all__ = [
+    "Trainer",
+    "build_model",
+    "loopback_bytes",
+    "make_batch",
+    "make_optimizer",
+    "lm_loss",
+    "peak_rss_bytes",
+    "rss_bytes",
+]
+
+
+class Trainer(Protocol):
+    """One system's training loop body on this rank, built by a runner's `setup`."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward, loss, backward, optimizer step; returns this rank's loss before the update."""
+
+    def reset_counters(self) -> None:
+        """Called when timing starts: forget traffic the system counted itself so far."""
+
+    def report(self) -> dict[str, Any]:
+        """Anything system-specific for the JSON line (own traffic counters, memory, ...)."""
+
+
+def build_model(spec: RunSpec, device: Optional[str] = None) -> nn.Module:
+    """The benchmark's GPT under `torch.manual_seed(spec.seed)`; eager unless device="meta"."""
+    from fxzero.zoo import gpt
+
+    torch.manual_seed(spec.seed)
+    if device is None:
+        return gpt(spec.model)
+    with torch.device(device):
+        return gpt(spec.model)
+
+
+def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
+    """torch's AdamW with the benchmark's hyper-parameters (DDP and FSDP2 use it)."""
+    return torch.optim.AdamW(
+        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+    )
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def make_batch(spec: RunSpec, vocab_size: int, seq_len: int, step: int, rank: int):
+    """Rank `rank`'s micro-batch (x, y) for `step`: random tokens and their images."""
+    perm = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(spec.data_seed))
+    gen = torch.Generator().manual_seed(spec.data_seed + 1 + step * spec.world_size + rank)
+    x = torch.randint(vocab_size, (spec.batch, seq_len), generator=gen)
+    return x, perm[x]
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM; ru_maxrss where /proc is missing)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (VmRSS), or 0 where /proc is missing."""
+    return (_status_kib("VmRSS") or 0) * 1024
+
+
+def loopback_bytes() -> Optional[int]:
+    """Bytes sent over the loopback interface so far, by every process in this network namespace.
+
+    gloo's TCP transport carries every collective over loopback between ranks on one machine,
+    so the difference across a step is what all ranks together put on the wire, whatever
+    algorithm gloo chose; anything else using loopback at the same time adds to it.
+    """
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[8])  # transmit bytes
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class StepClock:
+    """Wall time of one step; the ranks synchronize in their collectives, so no barrier."""
+
+    def __enter__(self) -> "StepClock":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))

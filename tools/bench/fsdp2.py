@@ -1,0 +1,45 @@
+"""PyTorch FSDP2: `fully_shard` on every transformer block, then on the root (embeddings, final
+norm and head), as torchtitan and the FSDP2 docs wrap a decoder. Its all-gathers and
+reduce-scatters go through the wrapped torch.distributed functions, so they are counted there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tools.bench.commcount import CommCounter
+from tools.bench.common import build_model, lm_loss, make_optimizer
+from tools.bench.spec import RunSpec
+
+
+class FSDP2Trainer:
+    def __init__(self, spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> None:
+        model = build_model(spec)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
+        self.model = model
+        self.optimizer = make_optimizer(spec, model.parameters())
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def reset_counters(self) -> None:
+        pass
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+def setup(spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> FSDP2Trainer:
+    return FSDP2Trainer(spec, counter, options)

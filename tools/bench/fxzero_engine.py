@@ -1,0 +1,130 @@
+"""fxzero: the model is built on the meta device and compiled; the engine runs ZeRO-3.
+
+Initial weights, by `init` in the system's options:
+- "state_dict" (default): the eager model built from the benchmark's seed, as every other
+  system builds it, is handed over as `fxzero.compile(meta_model, config, state_dict=...)` and
+  dropped after compile. Its full copy counts in this rank's peak RSS, as it does for the others.
+- "seed": no full copy anywhere: each rank's shard is initialized by the layers' own
+  `reset_parameters()` under `Config(seed=...)`, which reproduces eager construction.
+
+Config knobs come from the system table (`systems.py`) as `fxzero.Config(..., **config)`; a knob
+this fxzero does not have makes the system unavailable (checked before any rank starts).
+
+Traffic is the engine's own `comm_report()`; the wrapped torch.distributed collectives count
+the same calls independently (reported beside it by the worker).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Optional
+
+import torch
+
+import fxzero
+from tools.bench.commcount import CommCounter
+from tools.bench.common import build_model, lm_loss
+from tools.bench.spec import RunSpec
+
+COUNTED_BY = "fxzero engine.comm_report(): all_gather output + reduce_scatter input elements"
+
+
+def make_config(spec: RunSpec, config: dict[str, Any]) -> "fxzero.Config":
+    """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, **config)`.
+
+    Raises TypeError (from the dataclass) for a knob this fxzero does not have.
+    """
+    adamw = fxzero.AdamW(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+    kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
+    return fxzero.Config(**kwargs)
+
+
+class FxzeroTrainer:
+    def __init__(self, spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> None:
+        init = options.get("init", "state_dict")
+        if init not in ("state_dict", "seed"):
+            raise ValueError(f"fxzero runner: init must be 'state_dict' or 'seed', got {init!r}")
+        config = make_config(spec, options.get("config", {}))
+        state_dict: Optional[dict[str, torch.Tensor]] = None
+        if init == "state_dict":
+            state_dict = build_model(spec).state_dict()
+        self.init = init
+        self.engine = fxzero.compile(build_model(spec, device="meta"), config, state_dict=state_dict)
+        del state_dict
+        gc.collect()
+        self.memory: dict[str, int] = {}
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = lm_loss(self.engine(x), y)
+        self.engine.backward(loss)
+        self.memory = self.engine.memory_report()  # gradients held, before the step frees them
+        self.engine.step()
+        return loss.item()
+
+    def reset_counters(self) -> None:
+        self.engine.comm_report(reset=True)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "init": self.init,
+            "num_params": self.engine.num_params,
+            "engine_comm": self.engine.comm_report(),
+            "engine_comm_counted_by": COUNTED_BY,
+            "memory_report": self.memory,
+        }
+
+    def predict(self) -> dict[str, Any]:
+        """The cost model's predicted step time, when fxzero has one (see `_predict`)."""
+        return _predict(self.engine)
+
+
+def _predict(engine) -> dict[str, Any]:
+    """The simulator's step time for the engine's schedule, when fxzero has a cost model.
+
+    Uses `fxzero.cost.simulate(schedule, cost_model)` with, in order of preference: the cost
+    model the engine already holds (`engine.cost_model`, calibrated when it started), or one
+    from `CostModel.calibrate()` / `fxzero.cost.calibrate(comm=engine.comm)` (a collective: every
+    rank calls this). Returns {} when fxzero has no such API, so the JSON line simply lacks the
+    prediction; a failure inside the cost model is reported, not raised, since the measurement
+    itself is done by then.
+    """
+    try:
+        from fxzero import cost
+    except ImportError:
+        return {}
+    simulate = getattr(cost, "simulate", None)
+    model_cls = getattr(cost, "CostModel", None)
+    if not callable(simulate) or model_cls is None:
+        return {}
+    try:
+        cost_model = getattr(engine, "cost_model", None)
+        source = "engine.cost_model"
+        if not isinstance(cost_model, model_cls):
+            if callable(getattr(model_cls, "calibrate", None)):
+                cost_model, source = model_cls.calibrate(), "CostModel.calibrate()"
+            elif callable(getattr(cost, "calibrate", None)):
+                cost_model, source = cost.calibrate(comm=engine.comm), "fxzero.cost.calibrate(comm)"
+            else:
+                return {}
+        result = simulate(engine.schedule, cost_model)
+        out: dict[str, Any] = {"predicted_step_s": _seconds(result), "predicted_with": source}
+        if callable(getattr(result, "summary", None)):
+            out["predicted_detail"] = result.summary()
+        return out
+    except Exception as exc:  # the cost model is another engineer's work in progress
+        return {"predicted_error": f"{type(exc).__name__}: {exc}"}
+
+
+def _seconds(result: Any) -> float:
+    """A step time in seconds from whatever `simulate` returns: a number or an object/dict."""
+    if isinstance(result, (int, float)):
+        return float(result)
+    for name in ("step_seconds", "step_s", "total_s", "makespan_s", "seconds", "makespan", "total"):
+        value = result.get(name) if isinstance(result, dict) else getattr(result, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    raise TypeError(f"cannot read a step time from simulate()'s {type(result).__name__}")
+
+
+def setup(spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> FxzeroTrainer:
+    return FxzeroTrainer(spec, counter, options)

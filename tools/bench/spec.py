@@ -1,0 +1,68 @@
+"""What one benchmark run trains: the same for every system, so their figures compare."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+__all__ = ["RunSpec", "MODEL_PRESETS"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything a rank needs to know besides which system it runs."""
+
+    model: str
+    """A GPT size from `fxzero.zoo.GPT_SIZES` ("tiny", "small", "gpt2", ...)."""
+    batch: int
+    """Micro-batch per rank (sequences of the model's full seq_len)."""
+    world_size: int = 2
+    """Ranks, one process each, on gloo."""
+    threads: int = 1
+    """torch threads per rank (the ranks share the machine's cores)."""
+    warmup: int = 2
+    """Steps run before timing starts (fxzero traces and compiles in its first)."""
+    steps: int = 6
+    """Timed steps after the warm-up."""
+    seed: int = 0
+    """torch.manual_seed before the model is built: the initial weights of every system."""
+    data_seed: int = 1234
+    """Seed of the synthetic task and of every batch (see `common.make_batch`)."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    timeout_s: float = 900.0
+    """A run whose ranks are not all done by then is killed and reported as failed."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "world_size", "threads", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunSpec.{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"RunSpec.warmup must be >= 0, got {self.warmup}")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        d: dict[str, Any] = json.loads(text)
+        d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # The issue's ~25M decoder: 6 blocks, d 512, vocab 8192, seq 128, untied head.
+    "small": dict(model="small", batch=4),
+    # GPT-2 small's shape (124M, tied head), seq 256.
+    "gpt2": dict(model="gpt2", batch=2),
+    # For tests of the tool's plumbing: seconds per run.
+    "tiny": dict(model="tiny", batch=2),
+}
+"""Default micro-batch per model (`--model` picks one; `--batch` overrides)."""

@@ -1,0 +1,108 @@
+"""The systems the benchmark can run, and whether each can run here.
+
+A system is a runner module plus its options; adding a variant (a DeepSpeed offload target, an
+fxzero Config knob) is one row of `SYSTEMS`. `unavailable(name, spec)` says, before any rank
+starts, why a system cannot run in this Python environment (None when it can); the launcher
+prints that reason as a JSON line instead of running it.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Optional
+
+from tools.bench.spec import RunSpec
+
+__all__ = ["DEFAULT_SYSTEMS", "SYSTEMS", "System", "unavailable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    runner: str
+    """Module under tools/bench/ whose `setup(spec, counter, options)` returns a Trainer."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Passed to the runner's setup as is."""
+    description: str = ""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment variables for the rank processes."""
+
+
+_DS_ENV = {"DS_ACCELERATOR": "cpu"}
+
+SYSTEMS: dict[str, System] = {
+    "ddp": System("ddp", {}, "PyTorch DistributedDataParallel, default buckets"),
+    "fsdp2": System("fsdp2", {}, "PyTorch FSDP2, fully_shard per block + root"),
+    "ds-zero3": System(
+        "deepspeed_zero3", {"offload": None}, "DeepSpeed ZeRO-3, torch AdamW", _DS_ENV
+    ),
+    "ds-zero3-offload-cpu": System(
+        "deepspeed_zero3",
+        {"offload": "cpu"},
+        "DeepSpeed ZeRO-3, optimizer + params offloaded to cpu, DeepSpeedCPUAdam",
+        _DS_ENV,
+    ),
+    "ds-zero3-offload-nvme": System(
+        "deepspeed_zero3",
+        {"offload": "nvme"},
+        "DeepSpeed ZeRO-Infinity, optimizer + params on nvme (opt-in: needs libaio + async_io)",
+        _DS_ENV,
+    ),
+    # `config` is passed as fxzero.Config(stage=3, optimizer=..., seed=..., **config); a knob
+    # this fxzero lacks makes the system unavailable. prefetch=None: each gather is issued right
+    # before its first use.
+    "fxzero-stage3": System(
+        "fxzero_engine", {"init": "state_dict", "config": {}}, "fxzero ZeRO-3, default Config"
+    ),
+    "fxzero-stage3-noprefetch": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"prefetch": None}},
+        "fxzero ZeRO-3 without prefetch",
+    ),
+    "fxzero-stage3-meta": System(
+        "fxzero_engine",
+        {"init": "seed", "config": {}},
+        "fxzero ZeRO-3 initialized from the seed on the meta device: no full copy on any rank",
+    ),
+}
+"""Every system by name."""
+
+DEFAULT_SYSTEMS: tuple[str, ...] = (
+    "ddp",
+    "fsdp2",
+    "ds-zero3",
+    "ds-zero3-offload-cpu",
+    "fxzero-stage3",
+    "fxzero-stage3-noprefetch",
+)
+"""What one invocation runs without --systems; the NVMe system is opt-in (see deepspeed_zero3.py)."""
+
+
+def unavailable(name: str, spec: RunSpec) -> Optional[str]:
+    """Why system `name` cannot run in this environment, or None if it can."""
+    system = SYSTEMS[name]
+    if system.runner == "deepspeed_zero3":
+        if importlib.util.find_spec("deepspeed") is None:
+            return (
+                "deepspeed is not installed in this Python environment; run "
+                "`bash scripts/bench-env.sh` and use .venv-bench/bin/python tools/bench.py"
+            )
+        if system.options.get("offload") == "nvme" and not _have_libaio():
+            return (
+                "NVMe offload needs libaio (apt-get install libaio-dev) and DeepSpeed's async_io "
+                "op; run `BENCH_NVME=1 bash scripts/bench-env.sh`"
+            )
+    if system.runner == "fxzero_engine":
+        from tools.bench.fxzero_engine import make_config
+
+        try:
+            make_config(spec, system.options.get("config", {}))
+        except (TypeError, ValueError) as exc:
+            return f"this fxzero's Config rejects {system.options.get('config')}: {exc}"
+    return None
+
+
+def _have_libaio() -> bool:
+    return ctypes.util.find_library("aio") is not None and os.path.exists("/usr/include/libaio.h")
