@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -102,8 +103,19 @@ def git_state() -> str:
         return "unknown"
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_system, which kills the ranks
+
+
+def fxzero_path() -> str:
+    import fxzero
+
+    return os.path.dirname(fxzero.__file__)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     preset = dict(MODEL_PRESETS[args.model])
     if args.batch is not None:
         preset["batch"] = args.batch
@@ -112,7 +124,7 @@ def main(argv=None) -> int:
     )
     num_params = count_params(spec.model)
     emit({"event": "config", "spec": dataclasses.asdict(spec), "num_params": num_params, "rounds": args.rounds,
-          "systems": args.systems, "python_executable": sys.executable, "versions": versions(), "git": git_state(), "cpus": os.cpu_count(),
+          "systems": args.systems, "python_executable": sys.executable, "versions": versions(), "git": git_state(), "fxzero_path": fxzero_path(), "cpus": os.cpu_count(),
           "order": "alternating: every system once per round, in the order given"})
 
     missing: dict[str, str] = {}

@@ -62,6 +62,35 @@ def _tail(path: str, n: int = 30) -> str:
         return ""
 
 
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _wait(procs: list[subprocess.Popen], *, deadline: float) -> bool:
+    """Wait for every rank; stop early when one failed and its peers outlived the grace.
+
+    Returns whether the deadline passed.
+    """
+    first_failure: Optional[float] = None
+    while any(p.poll() is None for p in procs):
+        now = time.perf_counter()
+        if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+            first_failure = now
+        if now > deadline:
+            return True
+        if first_failure is not None and now - first_failure > _PEER_GRACE_S:
+            return False
+        time.sleep(0.2)
+    return False
+
+
 def run_system(
     name: str, spec: RunSpec, *, python: str = sys.executable, log_dir: Optional[str] = None
 ) -> dict[str, Any]:
@@ -89,22 +118,10 @@ def run_system(
                     start_new_session=True,  # so a kill reaches the rank's own children too
                 )
             )
-    deadline = t0 + spec.timeout_s
-    first_failure: Optional[float] = None
-    timed_out = False
-    while any(p.poll() is None for p in procs):
-        now = time.perf_counter()
-        if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
-            first_failure = now
-        if now > deadline or (first_failure is not None and now - first_failure > _PEER_GRACE_S):
-            timed_out = now > deadline
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            for p in procs:
-                p.wait()
-            break
-        time.sleep(0.2)
+    try:
+        timed_out = _wait(procs, deadline=t0 + spec.timeout_s)
+    finally:  # also on KeyboardInterrupt / SIGTERM of the benchmark: leave no rank behind
+        _kill(procs)
     wall_s = time.perf_counter() - t0
 
     results, errors = [], []
