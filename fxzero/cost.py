@@ -156,8 +156,10 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
         clock = {"compute": start_of_program, "comm": start_of_program}
         end: dict[str, float] = {}
         by_index: list[float] = []
+        names = [i.name for i in program.instructions]
         for idx, ins in enumerate(program.instructions):
-            ready = max((by_index[d] for d in ins.deps), default=start_of_program)
+            waited = ins.reads[0] if ins.kind == "wait" and ins.reads else None
+            ready = max((by_index[d] for d in ins.deps if names[d] != waited), default=start_of_program)
             if ins.kind in COLLECTIVES:
                 # Issued by the compute stream in program order, carried out by the comm stream.
                 begin = max(clock["comm"], ready, clock["compute"])
@@ -167,8 +169,8 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
                 begin = max(clock["compute"], ready)
                 duration = cost.compute_seconds(ins)
                 stream = "compute"
-                if ins.kind == "wait" and ins.reads:
-                    collective_end = end.get(ins.reads[0], begin)
+                if waited is not None:
+                    collective_end = end.get(waited, begin)
                     if collective_end > begin:
                         exposed += collective_end - begin
                         begin = collective_end

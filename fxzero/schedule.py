@@ -388,7 +388,7 @@ def _validate_program(p: ProgramSchedule) -> None:
                 )
             if r not in defined and r not in pending:
                 raise ScheduleError(f"{where}: reads {r} before it is defined")
-        for b in ins.touches:
+        for b in ins.touches if ins.kind != "free" else ():  # a free is checked below
             if b in freed:
                 raise ScheduleError(f"{where}: uses gathered buffer {b} after it was freed")
         if ins.kind in COLLECTIVES:

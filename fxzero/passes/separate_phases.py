@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
@@ -53,15 +54,21 @@ def _forward_set(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
     return seen
 
 
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
 def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    """True if node's value depends on unit placeholders only (no inputs, buffers, grads)."""
+    """True if node's value is a deterministic function of unit placeholders only (no inputs,
+    buffers, grads, and no random op such as dropout's mask: recomputing that would draw anew)."""
     if node in memo:
         return memo[node]
     if node.op == "placeholder":
         result = is_kind(node, "unit")
     elif node.op == "call_function":
         inputs = node.all_input_nodes
-        result = bool(inputs) and all(_param_only(i, memo) for i in inputs)
+        result = bool(inputs) and not _is_random(node) and all(_param_only(i, memo) for i in inputs)
     else:
         result = False
     memo[node] = result

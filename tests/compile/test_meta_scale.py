@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     with torch.device("meta"):
         model = zoo.build("gpt-1b")
     start = time.perf_counter()
-    compiled = fxzero.compile_program(model, model.example_inputs(batch=1), fxzero.Config(stage=3), world_size=4)
+    compiled = fxzero.compile_program(model, model.example_inputs(batch=1), fxzero.Config(stage=3, prefetch=None), world_size=4)
     seconds = time.perf_counter() - start
     s = compiled.schedule
     print(json.dumps({

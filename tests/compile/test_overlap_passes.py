@@ -1,0 +1,132 @@
+"""Prefetch, persistence and collective choice, checked on compiled schedules (one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxzero
+from fxzero import zoo
+from fxzero.cost import PRESETS, CostModel, Link, simulate
+
+
+def _compile(config: fxzero.Config, world_size: int = 4, **kw):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny", **kw)
+    return fxzero.compile_program(model, model.example_inputs(batch=2), config, world_size=world_size)
+
+
+def _gathers(schedule, program):
+    return [i for i in schedule.program(program).instructions if i.kind == "all_gather"]
+
+
+def test_prefetch_never_exceeds_its_budget():
+    base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
+    largest = max(u.padded_numel * u.itemsize for u in base.units)
+    for budget in (base.peak_gathered_bytes, base.peak_gathered_bytes + largest, 10 * base.peak_gathered_bytes):
+        s = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=budget))).schedule
+        assert s.prefetch_budget_bytes == budget
+        assert s.peak_gathered_bytes <= budget, (budget, s.peak_gathered_bytes)
+    # The default budget is the peak without prefetch plus the largest unit.
+    s = _compile(fxzero.Config(stage=3)).schedule
+    assert s.prefetch_budget_bytes == base.peak_gathered_bytes + largest
+
+
+def test_prefetch_issues_gathers_earlier_and_keeps_their_order():
+    base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
+    pre = _compile(fxzero.Config(stage=3)).schedule
+    for program in ("forward", "backward"):
+        units = [i.unit for i in _gathers(base, program)]
+        assert [i.unit for i in _gathers(pre, program)] == units, "gathers keep the order units are used"
+        index = {i.name: n for n, i in enumerate(pre.program(program).instructions)}
+        base_index = {i.name: n for n, i in enumerate(base.program(program).instructions)}
+        # Some gather now starts before the previous unit's wait: it overlaps that unit's compute.
+        waits = {i.reads[0]: index[i.name] for i in pre.program(program).instructions if i.kind == "wait"}
+        gathers = _gathers(pre, program)
+        assert any(index[g.name] < waits[prev.name] for prev, g in zip(gathers, gathers[1:])), program
+        assert any(index[g.name] < base_index[g.name] - 1 for g in gathers[1:])
+
+
+def test_prefetch_sinks_reduce_scatter_waits():
+    pre = _compile(fxzero.Config(stage=3)).schedule.program("backward").instructions
+    position = {i.name: n for n, i in enumerate(pre)}
+    scatters = [i for i in pre if i.kind == "reduce_scatter"]
+    waits = {i.reads[0]: i for i in pre if i.kind == "wait"}
+    for rs, nxt in zip(scatters, scatters[1:]):
+        # Unit k's reduction stays in flight while unit k-1's backward computes.
+        computes_between = [i for i in pre[position[rs.name] + 1 : position[waits[rs.name].name]] if i.kind == "compute"]
+        assert computes_between, f"wait of {rs.unit} follows its reduce-scatter directly"
+        assert position[waits[rs.name].name] < position[nxt.name]
+
+
+def test_persistence_removes_those_units_gathers():
+    base = _compile(fxzero.Config(stage=3, prefetch=None))
+    root = next(u for u in base.layouts if u.name == "root")
+    blocks = [u for u in base.layouts if u.name.startswith("blocks.")]
+    threshold = root.numel + 1  # the (small) root unit is under it, every block above
+    assert all(u.numel >= threshold for u in blocks), "the test needs blocks above the threshold"
+    s = _compile(fxzero.Config(stage=3, prefetch=None, persist_threshold=threshold)).schedule
+    assert s.persistent == ("root",)
+    for program in ("forward", "backward"):
+        gathered = {i.unit for i in _gathers(s, program)}
+        assert "root" not in gathered and gathered == {u.name for u in blocks}
+    # A persistent unit is re-gathered after its optimizer step, like every unit at ZeRO-1/2.
+    step = s.program("step").instructions
+    assert [i.unit for i in step if i.kind == "all_gather"] == ["root"]
+    # ...and its full buffer shows in the rewritten graph: its placeholder is not sharded.
+    placeholder = next(
+        n for n in _compile(fxzero.Config(stage=3, persist_threshold=threshold)).joint.graph.nodes
+        if n.meta.get("fxzero", {}).get("kind") == "unit" and n.meta["fxzero"]["unit"] == "root"
+    )
+    assert placeholder.meta["fxzero"]["sharded"] is False
+
+
+def _slow_rs_fast_ar(native: float, via: float) -> CostModel:
+    return dataclasses.replace(
+        PRESETS["cpu-loopback"],
+        links={
+            "all_gather": Link(bandwidth=1e9),
+            "reduce_scatter": Link(bandwidth=native),
+            "all_reduce": Link(bandwidth=via),
+        },
+    )
+
+
+@pytest.mark.parametrize("native, via, expected", [(1e8, 1e9, "all_reduce"), (1e9, 1e8, "reduce_scatter")])
+def test_cost_model_chooses_how_reduce_scatters_run(native, via, expected):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny")
+    s = fxzero.compile_program(
+        model, model.example_inputs(batch=2), fxzero.Config(stage=3), world_size=2,
+        cost_model=_slow_rs_fast_ar(native, via),
+    ).schedule
+    algorithms = {i.algorithm for _, i in s.collectives() if i.kind == "reduce_scatter"}
+    assert algorithms == {expected}
+
+
+def test_simulator_hides_communication_with_prefetch():
+    # A link slow enough that communication matters, compute from the same preset.
+    cost = dataclasses.replace(
+        PRESETS["cpu-loopback"],
+        links={k: Link(bandwidth=2e7, latency=1e-4) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+    )
+    base = simulate(_compile(fxzero.Config(stage=3, prefetch=None), world_size=2).schedule, cost)
+    pre = simulate(_compile(fxzero.Config(stage=3), world_size=2).schedule, cost)
+    assert pre.exposed_comm_seconds < base.exposed_comm_seconds
+    assert pre.step_seconds < base.step_seconds
+    assert pre.step_seconds >= max(pre.compute_seconds, pre.comm_seconds) * 0.999
+    # Without prefetch every gather is exposed: the step is about compute + gathers.
+    assert base.step_seconds >= base.compute_seconds
+
+
+def test_simulator_runs_for_hardware_we_do_not_have():
+    s = _compile(fxzero.Config(stage=3), world_size=8).schedule
+    result = simulate(s, PRESETS["h100x8-nvlink"])
+    assert 0 < result.step_seconds < 1.0
+    assert result.peak_gathered_bytes == s.peak_gathered_bytes
+    streams = {e.stream for e in result.events}
+    assert streams == {"compute", "comm"}
+    for e in result.events:
+        assert e.end >= e.start >= 0

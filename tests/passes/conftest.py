@@ -1,0 +1,12 @@
+"""Fixtures for the single-process pass tests; the toy models live in toys.py."""
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    """These tests run in a world of one: no launcher variables, no process group."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not (dist.is_available() and dist.is_initialized()), "tests/passes must not join a process group"

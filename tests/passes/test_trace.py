@@ -1,0 +1,154 @@
+"""trace_joint: the joint forward+backward graph and its signature, before any pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxzero.trace import trace_joint
+from tests.passes.toys import META, build, example_inputs, kind, meta_of, output_args, placeholders, traced
+
+
+def _kinds(gm) -> list[str]:
+    return [kind(n) for n in placeholders(gm)]
+
+
+def test_placeholders_are_tagged_param_input_grad_output_in_order():
+    tr = traced("mlp")
+    params = [fqn for fqn, _ in build("mlp").named_parameters()]
+    assert _kinds(tr.gm) == ["param"] * len(params) + ["input", "grad_output"]
+    assert [meta_of(n)["fqn"] for n in placeholders(tr.gm)[: len(params)]] == params
+    assert meta_of(placeholders(tr.gm)[-2]) == {"kind": "input", "index": 0}
+    assert meta_of(placeholders(tr.gm)[-1]) == {"kind": "grad_output", "index": 0}
+    assert tr.signature.param_fqns == tuple(params)
+    assert tr.signature.trainable_fqns == tuple(params)
+    assert tr.signature.num_inputs == 1 and tr.signature.num_outputs == 1
+    assert tr.signature.differentiable == (True,)
+
+
+def test_buffers_are_tagged_after_params():
+    tr = traced("bn")
+    buffers = ("2.running_mean", "2.running_var", "2.num_batches_tracked")
+    assert tr.signature.buffer_fqns == buffers
+    tagged = [meta_of(n).get("fqn") for n in placeholders(tr.gm) if kind(n) == "buffer"]
+    assert tuple(tagged) == buffers
+    kinds = _kinds(tr.gm)
+    assert kinds.index("buffer") > max(i for i, k in enumerate(kinds) if k == "param")
+
+
+def test_placeholders_carry_fake_values_with_the_model_shapes():
+    tr = traced("mlp")
+    shapes = {fqn: tuple(p.shape) for fqn, p in build("mlp").named_parameters()}
+    for n in placeholders(tr.gm):
+        if kind(n) == "param":
+            assert tuple(n.meta["val"].shape) == shapes[meta_of(n)["fqn"]]
+
+
+def test_tied_parameter_is_one_placeholder():
+    model = build("tied")
+    tr = traced("tied")
+    fqns = [meta_of(n)["fqn"] for n in placeholders(tr.gm) if kind(n) == "param"]
+    assert "emb.weight" in fqns and "head.weight" not in fqns
+    assert len(fqns) == len(set(fqns)) == len(list(model.parameters()))
+    # One gradient per unique parameter: the tied weight's two uses are summed in the graph.
+    assert len(tr.signature.trainable_fqns) == len(fqns)
+
+
+def test_no_fxzero_ops_before_the_passes():
+    tr = traced("tied")
+    targets = {str(n.target) for n in tr.gm.graph.nodes if n.op == "call_function"}
+    assert not any(t.startswith("fxzero.") for t in targets)
+    assert all(n.op in ("placeholder", "call_function", "output") for n in tr.gm.graph.nodes)
+
+
+def test_batchnorm_running_stats_come_out_as_outputs():
+    tr = traced("bn")
+    sig = tr.signature
+    assert sig.mutated_buffers == ("2.running_mean", "2.running_var", "2.num_batches_tracked")
+    outs = output_args(tr.gm)
+    assert len(outs) == sig.num_outputs + len(sig.trainable_fqns) + len(sig.mutated_buffers)
+    new_buffers = outs[-len(sig.mutated_buffers) :]
+    # New values, not the old placeholders, and no in-place copy_ left in the graph.
+    assert all(isinstance(n, torch.fx.Node) and n.op == "call_function" for n in new_buffers)
+    assert not [n for n in tr.gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    assert new_buffers[2].meta["val"].dtype == torch.long
+
+
+def test_batchnorm_in_eval_mode_mutates_nothing():
+    model = build("bn").eval()
+    tr = trace_joint(model, example_inputs("bn"))
+    assert tr.signature.mutated_buffers == ()
+    assert len(output_args(tr.gm)) == tr.signature.num_outputs + len(tr.signature.trainable_fqns)
+
+
+def test_frozen_params_get_no_grad_output():
+    tr = traced("frozen")
+    sig = tr.signature
+    frozen = {"layers.1.weight", "layers.1.bias", "layers.2.weight"}
+    assert set(sig.param_fqns) - set(sig.trainable_fqns) == frozen
+    assert sig.trainable_fqns == ("layers.0.weight", "layers.0.bias", "layers.2.bias")
+    assert len(output_args(tr.gm)) == sig.num_outputs + 3
+    # Frozen parameters are still inputs of the graph.
+    assert {meta_of(n)["fqn"] for n in placeholders(tr.gm) if kind(n) == "param"} >= frozen
+
+
+def test_unused_param_lands_in_gradless_fqns():
+    tr = traced("unused")
+    sig = tr.signature
+    assert sig.gradless_fqns == ("unused",)
+    assert "unused" in sig.trainable_fqns
+    grads = output_args(tr.gm)[sig.num_outputs : sig.num_outputs + len(sig.trainable_fqns)]
+    by_fqn = dict(zip(sig.trainable_fqns, grads))
+    assert by_fqn["unused"] is None
+    assert all(isinstance(g, torch.fx.Node) for f, g in by_fqn.items() if f != "unused")
+
+
+def test_integer_input_gives_one_grad_output_for_the_float_output():
+    tr = traced("tied")
+    assert _kinds(tr.gm).count("input") == 1
+    assert _kinds(tr.gm).count("grad_output") == 1
+    assert tr.signature.differentiable == (True,)
+
+
+class _MutatesParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.add_(1)
+        return x * self.scale
+
+
+class _PlainTensorAttr(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.offset = torch.zeros(3)
+
+    def forward(self, x):
+        return self.lin(x) + self.offset
+
+
+def test_in_place_parameter_mutation_raises_naming_it():
+    with META:
+        model = _MutatesParam()
+    with pytest.raises(ValueError, match=r"mutates param scale in place"):
+        trace_joint(model, [torch.empty(2, 3, device=META)])
+
+
+def test_plain_tensor_attribute_raises_type_error():
+    with META:
+        model = _PlainTensorAttr()
+    with pytest.raises(TypeError, match=r"plain tensor attribute 'offset'.*register_buffer\('offset'"):
+        trace_joint(model, [torch.empty(2, 3, device=META)])
+
+
+def test_bad_inputs_raise_type_error():
+    model = build("mlp")
+    with pytest.raises(TypeError, match="input 0 is a list"):
+        trace_joint(model, [[1.0, 2.0]])
+    with pytest.raises(TypeError, match="input 0 requires grad"):
+        trace_joint(model, [torch.zeros(2, 4, requires_grad=True)])
