@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.bench import report  # noqa: E402
+from tools.bench.common import background_cores  # noqa: E402
 from tools.bench.launch import run_system  # noqa: E402
 from tools.bench.spec import MODEL_PRESETS, RunSpec  # noqa: E402
 from tools.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, unavailable  # noqa: E402
@@ -49,10 +50,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is killed (default: 1800)")
     parser.add_argument("--keep-logs", metavar="DIR", default=None, help="keep every rank's log and result under DIR")
+    parser.add_argument(
+        "--quiet-cores", type=float, default=0.3,
+        help="before each run, wait until other processes keep fewer cores than this busy (default: 0.3)",
+    )
+    parser.add_argument(
+        "--quiet-wait", type=float, default=120.0,
+        help="longest wait for a quiet machine before a run, seconds; 0 never waits (default: 120)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 timed step, 1 round (for tests)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.rounds, args.warmup, args.steps = "tiny", 1, 1, 1
+        args.model, args.rounds, args.warmup, args.steps, args.quiet_wait = "tiny", 1, 1, 1, 0.0
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
@@ -103,6 +112,20 @@ def git_state() -> str:
         return "unknown"
 
 
+def wait_for_quiet(max_cores: float, max_wait_s: float) -> float:
+    """Sleep until other processes keep fewer than `max_cores` cores busy, or `max_wait_s` passed.
+
+    The machine is shared (tests, builds): a run next to other work measures the contention.
+    Returns the seconds waited; each run line also reports the background load it actually had.
+    """
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s:
+        cores = background_cores(1.0)
+        if cores is None or cores < max_cores:
+            break
+    return time.perf_counter() - t0
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_system, which kills the ranks
 
@@ -144,12 +167,15 @@ def main(argv=None) -> int:
         for name in runnable:
             if runs[name] and not any(r["ok"] for r in runs[name]):
                 continue  # failed every time so far: a deterministic failure, don't repeat it
+            waited = wait_for_quiet(args.quiet_cores, args.quiet_wait) if args.quiet_wait > 0 else 0.0
             t0 = time.perf_counter()
             result = run_system(name, spec, log_dir=args.keep_logs)
+            result["waited_for_quiet_s"] = round(waited, 1)
             line = report.run_line(name, round_, result, spec.steps, spec.warmup)
             runs[name].append(line)
             emit(line)
             status = f"median {line['median_step_s']:.3f} s/step" if line["ok"] else "FAILED"
+            status += f", background {line.get('background_cores', float('nan')):.2f} cores"
             progress(f"round {round_}/{args.rounds} {name}: {status} ({time.perf_counter() - t0:.1f} s)")
 
     systems: dict[str, dict] = {}

@@ -132,3 +132,34 @@ class StepClock:
 
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+def cpu_busy_seconds() -> Optional[float]:
+    """CPU seconds all processes on this machine have been busy so far (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's children that have been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def background_cores(seconds: float = 2.0) -> Optional[float]:
+    """Cores kept busy by other processes over the next `seconds` (this process sleeps)."""
+    start = cpu_busy_seconds()
+    if start is None:
+        return None
+    time.sleep(seconds)
+    end = cpu_busy_seconds()
+    return None if end is None else (end - start) / seconds

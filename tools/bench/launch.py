@@ -18,6 +18,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from tools.bench.common import children_cpu_seconds, cpu_busy_seconds
 from tools.bench.spec import RunSpec
 from tools.bench.systems import SYSTEMS
 
@@ -103,6 +104,7 @@ def run_system(
     out = tempfile.mkdtemp(prefix=f"bench-{name}-", dir=log_dir)
     port = _free_port()
     procs, logs = [], []
+    busy0, ours0 = cpu_busy_seconds(), children_cpu_seconds()
     t0 = time.perf_counter()
     for rank in range(spec.world_size):
         log = os.path.join(out, f"rank{rank}.log")
@@ -123,6 +125,15 @@ def run_system(
     finally:  # also on KeyboardInterrupt / SIGTERM of the benchmark: leave no rank behind
         _kill(procs)
     wall_s = time.perf_counter() - t0
+    busy1, ours1 = cpu_busy_seconds(), children_cpu_seconds()
+    load = {}
+    if busy0 is not None and busy1 is not None:
+        # What else kept the machine busy during this run: CPU time of all processes minus our
+        # ranks' own. Runs that shared the cores with other work show it here.
+        load = {
+            "ranks_cpu_s": ours1 - ours0,
+            "background_cores": max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall_s,
+        }
 
     results, errors = [], []
     for rank, (p, log) in enumerate(zip(procs, logs)):
@@ -138,9 +149,9 @@ def run_system(
             errors.append(f"[rank {rank}] {why} without a result; log tail:\n{_tail(log)}")
     if errors:
         # The first error in rank order is usually the cause; peers report the broken group.
-        return {"error": errors[0], "wall_s": wall_s, "logs": out}
+        return {"error": errors[0], "wall_s": wall_s, "logs": out, **load}
     if log_dir is None:
         for path in os.listdir(out):
             os.remove(os.path.join(out, path))
         os.rmdir(out)
-    return {"ranks": results, "wall_s": wall_s}
+    return {"ranks": results, "wall_s": wall_s, **load}

@@ -38,6 +38,9 @@ def _per_step(d: dict[str, dict[str, int]], steps: int) -> dict[str, dict[str, f
 def run_line(name: str, round_: int, result: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     """The "run" line of one system's run (or its failure)."""
     line: dict[str, Any] = {"event": "run", "system": name, "round": round_, "wall_s": round(result["wall_s"], 2)}
+    for key in ("background_cores", "ranks_cpu_s", "waited_for_quiet_s"):
+        if key in result:
+            line[key] = result[key]
     if "error" in result:
         line.update(ok=False, error=result["error"][-4000:], logs=result.get("logs"))
         return line
@@ -98,6 +101,7 @@ def system_line(name: str, description: str, runs: list[dict[str, Any]], referen
         loopback_bytes_per_step=_median([r["loopback_bytes_per_step"] for r in ok if r.get("loopback_bytes_per_step") is not None]),
         final_loss=first["final_loss"],
         losses=first["losses"],
+        background_cores_per_round=[r.get("background_cores") for r in ok],
         loss_max_dev_across_rounds=max(
             (abs(a - b) for r in ok[1:] for a, b in zip(r["losses"], first["losses"])), default=0.0
         ),

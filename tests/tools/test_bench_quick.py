@@ -1,0 +1,123 @@
+"""One quick invocation of tools/bench.py (tiny model, one timed step, one round) and its lines.
+
+Checks the plumbing, never a wall time: every line is JSON, every system asked for is either
+run or reported unavailable with a reason, the lines carry their keys, the counted traffic adds
+up where it is exact (DDP all-reduces every gradient once) and all systems train alike.
+DeepSpeed runs when this interpreter has it (.venv-bench); otherwise its line must say why not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+SYSTEMS = ["ddp", "fsdp2", "fxzero-stage3", "fxzero-stage3-noprefetch", "ds-zero3"]
+if HAVE_DEEPSPEED:
+    SYSTEMS.append("ds-zero3-offload-cpu")
+
+RUN_KEYS = {
+    "system", "round", "ok", "median_step_s", "step_times_s", "losses", "final_loss",
+    "peak_rss_mb_per_rank", "comm", "comm_counted_by", "loopback_bytes_per_step",
+}
+SYSTEM_KEYS = {
+    "system", "median_step_s", "step_times_s", "peak_rss_mb_per_rank", "peak_rss_mb",
+    "comm_elements_per_step", "comm_bytes_per_step", "comm_counted_by", "final_loss",
+}
+
+
+@pytest.fixture(scope="module")
+def lines() -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--quick", "--timeout", "300", "--systems", ",".join(SYSTEMS)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"bench.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert out, f"bench.py printed nothing; stderr:\n{proc.stderr}"
+    return out
+
+
+def by_event(lines: list[dict], event: str) -> list[dict]:
+    return [line for line in lines if line["event"] == event]
+
+
+def test_config_first_summary_last(lines):
+    assert lines[0]["event"] == "config"
+    assert lines[-1]["event"] == "summary"
+    assert lines[0]["spec"]["model"] == "tiny"
+    assert lines[0]["systems"] == SYSTEMS
+
+
+def test_every_system_is_run_or_unavailable(lines):
+    ran = {line["system"] for line in by_event(lines, "system")}
+    missing = {line["system"]: line["reason"] for line in by_event(lines, "unavailable")}
+    assert ran | set(missing) == set(SYSTEMS)
+    assert not ran & set(missing)
+    assert all(reason for reason in missing.values())
+    assert {"ddp", "fsdp2", "fxzero-stage3"} <= ran
+
+
+def test_run_and_system_lines_have_their_keys(lines):
+    for run in by_event(lines, "run"):
+        assert run["ok"], run.get("error")
+        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
+        assert len(run["peak_rss_mb_per_rank"]) == 2
+        assert all(mb > 0 for mb in run["peak_rss_mb_per_rank"])
+        assert len(run["losses"]) == 2 and len(run["step_times_s"]) == 1
+    for line in by_event(lines, "system"):
+        assert SYSTEM_KEYS <= set(line), SYSTEM_KEYS - set(line)
+
+
+def test_ddp_traffic_is_one_all_reduce_of_every_gradient(lines):
+    phi = lines[0]["num_params"]
+    ddp = next(line for line in by_event(lines, "system") if line["system"] == "ddp")
+    assert set(ddp["comm_by_kind"]) == {"all_reduce"}
+    assert ddp["comm_elements_per_step"] == phi
+    assert ddp["comm_volume_elements_per_step"] == 2 * phi  # the ZeRO paper's 2 Phi
+
+
+def test_sharded_systems_gather_and_reduce(lines):
+    for line in by_event(lines, "system"):
+        if line["system"] in ("fsdp2", "fxzero-stage3"):
+            assert "all_gather" in line["comm_by_kind"]
+            assert line["comm_elements_per_step"] > 0
+    fx = next(line for line in by_event(lines, "system") if line["system"] == "fxzero-stage3")
+    assert "engine.comm_report" in fx["comm_counted_by"]
+
+
+def test_losses_agree_with_ddp(lines):
+    summary = lines[-1]
+    assert summary["losses_agree"] is True, summary["loss_max_abs_dev_vs_ddp"]
+    assert set(summary["loss_max_abs_dev_vs_ddp"]) == {
+        line["system"] for line in by_event(lines, "system") if line["system"] != "ddp"
+    }
+
+
+def test_summary_reports_ratios_for_fxzero(lines):
+    targets = lines[-1]["fxzero"]["fxzero-stage3"]
+    for key in ("step_vs_fsdp2", "peak_rss_vs_fsdp2", "comm_vs_3phi", "comm_volume_vs_3phi"):
+        assert isinstance(targets[key], float), key
+    assert set(targets["met"]) >= {"step_vs_fsdp2", "peak_rss_vs_fsdp2", "comm_vs_3phi"}
+
+
+@pytest.mark.skipif(HAVE_DEEPSPEED, reason="deepspeed is installed: it runs instead")
+def test_missing_deepspeed_is_reported(lines):
+    reasons = {line["system"]: line["reason"] for line in by_event(lines, "unavailable")}
+    assert "deepspeed is not installed" in reasons["ds-zero3"]
+    assert "bench-env.sh" in reasons["ds-zero3"]
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (scripts/bench-env.sh)")
+def test_deepspeed_runs(lines):
+    runs = {line["system"]: line for line in by_event(lines, "run")}
+    for name in ("ds-zero3", "ds-zero3-offload-cpu"):
+        assert runs[name]["ok"], runs[name].get("error")
+        assert runs[name]["deepspeed"]
+    assert runs["ds-zero3-offload-cpu"]["optimizer"] == "DeepSpeedCPUAdam"
