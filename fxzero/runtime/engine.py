@@ -166,21 +166,21 @@ class Engine:
 
     forward = __call__
 
-    def _unit_inputs(self) -> dict[str, torch.Tensor]:
-        from fxzero.passes.partition import unit_placeholder_name
-
-        return {unit_placeholder_name(name): t for name, t in self._params.items()}
+    def _bind(self, runner: ProgramRunner, program, values: dict[str, Any]) -> dict[str, Any]:
+        """The program's inputs by placeholder name, from what each placeholder is (its key)."""
+        env = {}
+        for name, (kind, key) in zip(runner.program.inputs, program.inputs):
+            if kind == "unit":
+                env[name] = self._params[key]
+            elif kind == "buffer":
+                env[name] = self._buffers[key]
+            else:
+                env[name] = values[kind][key]
+        return env
 
     def _run_forward(self, compiled: _Compiled, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         program = compiled.compiled.programs["forward"]
-        env = self._unit_inputs()
-        placeholders = compiled.forward.program.inputs
-        for name, (kind, key) in zip(placeholders, program.inputs):
-            if kind == "buffer":
-                env[name] = self._buffers[key]
-            elif kind == "input":
-                env[name] = inputs[key]
-        results = compiled.forward.run(env)
+        results = compiled.forward.run(self._bind(compiled.forward, program, {"input": inputs}))
         sig = compiled.compiled.signature
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
@@ -189,15 +189,9 @@ class Engine:
 
     def _run_backward(self, compiled: _Compiled, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
         program = compiled.compiled.programs["backward"]
-        env = self._unit_inputs()
-        placeholders = compiled.backward.program.inputs
-        saved_iter, grads_iter = iter(saved), iter(grad_outputs)
-        for name, (kind, _) in zip(placeholders, program.inputs):
-            if kind == "saved":
-                env[name] = next(saved_iter)
-            elif kind == "grad_output":
-                env[name] = next(grads_iter)
-        results = compiled.backward.run(env)
+        saved_names = [key for kind, key in program.inputs if kind == "saved"]
+        values = {"saved": dict(zip(saved_names, saved)), "grad_output": grad_outputs}
+        results = compiled.backward.run(self._bind(compiled.backward, program, values))
         for (_, unit), grad in zip(program.outputs, results):
             if unit in self._grads:
                 raise RuntimeError(
