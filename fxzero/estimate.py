@@ -1,0 +1,159 @@
+"""Per-rank memory of model states (parameters, gradients, optimizer states) by ZeRO stage.
+
+Two accountings, one set of rules:
+
+- `runtime_model_states(layouts, stage)` counts what fxzero's runtime allocates, unit by unit,
+  from the same `UnitLayout`s (`fxzero.units.plan_units`), padding included:
+
+  ====== ============================ ============================ ==========================
+  stage  parameters                   gradients                    AdamW states (2 moments)
+  ====== ============================ ============================ ==========================
+  0      full (no ZeRO: DDP)          full                         full
+  1      full flat buffer (padded)    full flat buffer (padded)    this rank's shard
+  2      full flat buffer (padded)    this rank's shard            this rank's shard
+  3      this rank's shard            this rank's shard            this rank's shard
+  ====== ============================ ============================ ==========================
+
+  Frozen units have no gradient and no optimizer state. Units listed as `persistent` are held
+  whole at stage 3 too (a persistence threshold).
+
+- `paper_model_states(phi, world, stage)` is the ZeRO paper's arithmetic for Phi parameters on
+  N ranks, no padding: mixed precision with Adam (2 + 2 + 12 bytes per parameter) gives
+  16 Phi, 4 Phi + 12 Phi/N, 2 Phi + 14 Phi/N and 16 Phi/N for stages 0-3.
+
+Precision "fp32" is how fxzero trains today (4-byte params and grads, two 4-byte moments; the
+model's own dtype in the runtime accounting); "mixed" is the paper's 2 + 2 + 12 (the 12 being
+fp32 master weights and two moments), used for comparison with DeepSpeed's figures.
+
+Offload moves the optimizer states, and at stage 3 the parameter shards too, off the device to
+the cpu or nvme tier (ZeRO-Offload / ZeRO-Infinity); gradients stay on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Literal, Optional
+
+from fxzero.units import UnitLayout
+
+__all__ = [
+    "BYTES_PER_PARAM",
+    "ModelStates",
+    "Placement",
+    "paper_model_states",
+    "place",
+    "runtime_model_states",
+]
+
+Precision = Literal["fp32", "mixed"]
+Offload = Optional[Literal["cpu", "nvme"]]
+
+BYTES_PER_PARAM: dict[str, tuple[int, int, int]] = {
+    "fp32": (4, 4, 8),
+    "mixed": (2, 2, 12),
+}
+"""(parameter, gradient, optimizer) bytes per parameter."""
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states one rank holds (floats: the paper's formulas divide by N)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one rank's model states live."""
+
+    device: float
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.device + self.cpu + self.nvme
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "cpu": self.cpu, "nvme": self.nvme, "total": self.total}
+
+
+def _check(stage: int, precision: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0 (no ZeRO), 1, 2 or 3, got {stage!r}")
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, got {precision!r}")
+
+
+def paper_model_states(phi: float, world: int, stage: int, precision: Precision = "mixed") -> ModelStates:
+    """The ZeRO paper's per-rank model states for `phi` parameters on `world` ranks."""
+    _check(stage, precision)
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    p, g, o = BYTES_PER_PARAM[precision]
+    shard_params, shard_grads, shard_optim = stage >= 3, stage >= 2, stage >= 1
+    return ModelStates(
+        params=p * phi / world if shard_params else p * phi,
+        grads=g * phi / world if shard_grads else g * phi,
+        optimizer=o * phi / world if shard_optim else o * phi,
+    )
+
+
+def runtime_model_states(
+    layouts: Iterable[UnitLayout],
+    stage: int,
+    precision: Precision = "fp32",
+    *,
+    persistent: frozenset[str] = frozenset(),
+) -> ModelStates:
+    """Per-rank model states as fxzero's runtime allocates them for these unit layouts.
+
+    With precision "fp32" the bytes per element are the layouts' own dtype (what the runtime
+    really holds); with "mixed" they are the paper's 2 + 2 + 12, on the same padded layouts.
+    Stage 0 (no ZeRO) counts every parameter once, unpadded, as plain data parallelism does.
+    """
+    _check(stage, precision)
+    params = grads = optimizer = 0
+    for u in layouts:
+        if precision == "fp32":
+            p, g, o = u.itemsize, u.itemsize, 2 * u.itemsize
+        else:
+            p, g, o = BYTES_PER_PARAM["mixed"]
+        if stage == 0:
+            full = shard = u.numel
+            whole_params = True
+        else:
+            full, shard = u.padded_numel, u.shard_numel
+            whole_params = stage in (1, 2) or u.name in persistent
+        params += (full if whole_params else shard) * p
+        if u.trainable:
+            grads += (full if stage in (0, 1) else shard) * g
+            optimizer += (full if stage == 0 else shard) * o
+    return ModelStates(params, grads, optimizer)
+
+
+def place(states: ModelStates, stage: int, offload: Offload = None) -> Placement:
+    """Where `states` live under an offload setting: optimizer states (and, at stage 3, the
+    parameter shards) go to the offload tier; gradients stay on the device. No ZeRO (stage 0)
+    offloads nothing."""
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload is None or stage == 0:
+        return Placement(device=states.total)
+    moved = states.optimizer + (states.params if stage == 3 else 0.0)
+    tier = {"cpu": 0.0, "nvme": 0.0}
+    tier[offload] = moved
+    return Placement(device=states.total - moved, **tier)
+
+
+def largest_unit(layouts: Iterable[UnitLayout]) -> Optional[UnitLayout]:
+    """The unit with the most elements: at stage 3 the biggest buffer gathered at once."""
+    return max(layouts, key=lambda u: u.padded_numel, default=None)
