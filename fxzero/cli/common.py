@@ -1,0 +1,150 @@
+"""What the commands share: error reporting, the tracing options, and DIR|MODEL sources."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import time
+from typing import Iterator, Optional, Sequence
+
+import click
+
+from fxzero.artifacts import ArtifactError, Artifacts, record
+from fxzero.modelspec import SpecError, build_model, example_inputs, parse_inputs, parse_model, InputSpec
+from fxzero.viz.render import DotError
+
+__all__ = ["CLIError", "compile_source", "load_source", "reports_errors", "trace_options"]
+
+DEFAULT_WORLD = 8
+
+
+class CLIError(click.ClickException):
+    """A mistake of the user's, shown as one line `Error: ...` with exit code 1."""
+
+
+# Errors a person can act on: shown as their message, never as a traceback.
+USER_ERRORS = (SpecError, ArtifactError, DotError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+@contextlib.contextmanager
+def reports_errors(what: str = "") -> Iterator[None]:
+    """Turn the user's mistakes into one-line CLIErrors (`fxzero --traceback` shows the stack)."""
+    ctx = click.get_current_context(silent=True)
+    show_traceback = bool(ctx and ctx.find_root().params.get("traceback"))
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except USER_ERRORS as e:
+        if show_traceback:
+            raise
+        message = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"
+        raise CLIError(message) from e
+    except (ValueError, TypeError) as e:
+        # fxzero's own checks raise these with a message that names the way out (STYLE.md).
+        if show_traceback:
+            raise
+        prefix = f"{what}: " if what else ""
+        raise CLIError(f"{prefix}{e} (run `fxzero --traceback ...` for the stack)") from e
+
+
+def trace_options(fn):
+    """--world, --stage, --config and --inputs: everything tracing a MODEL needs."""
+
+    @click.option("--world", type=click.IntRange(min=1), default=None,
+                  help=f"World size to compile for (default {DEFAULT_WORLD}); no ranks are launched.")
+    @click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None,
+                  help="ZeRO stage (default 3, or the --config file's).")
+    @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                  help="A DeepSpeed-style JSON config (zero_optimization.stage, optimizer).")
+    @click.option("--inputs", "inputs", multiple=True, metavar="SPEC",
+                  help="Example inputs when the model has no example_inputs(): DTYPE[SHAPE], "
+                       "with :LOW..HIGH for integers, e.g. 'int64[2,128]:0..50257'. Repeat, or "
+                       "separate with ';', for several inputs.")
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def make_config(config_path: Optional[str], stage: Optional[str]):
+    """A fxzero.Config from a DeepSpeed JSON file and/or --stage."""
+    from fxzero.config import Config
+
+    config = Config.from_deepspeed(config_path) if config_path else Config()
+    if stage is not None:
+        config = dataclasses.replace(config, stage=int(stage))
+    return config
+
+
+def static_cost_model(config):
+    """The cost model passes may consult when compiling without ranks.
+
+    A preset named in the config is used as is; "measure" (the runtime's default: time the
+    machine's collectives at start-up) cannot be done without ranks, so the native collectives
+    are kept. `fxzero train` records the choices the runtime made.
+    """
+    spec = getattr(config, "cost_model", None)
+    if isinstance(spec, str):
+        if spec == "measure":
+            return None
+        from fxzero import cost
+
+        return cost.preset(spec)
+    return spec
+
+
+@dataclasses.dataclass
+class Compiled:
+    artifacts: Artifacts
+    seconds: float
+
+
+def compile_source(spec: str, *, world: Optional[int], stage: Optional[str], config_path: Optional[str],
+                   inputs: Sequence[str]) -> Compiled:
+    """Build MODEL on the meta device, trace and schedule it, record the artifacts (in memory)."""
+    import fxzero
+
+    with reports_errors():
+        model_spec = parse_model(spec)
+        input_specs = parse_inputs(inputs)
+        config = make_config(config_path, stage)
+        model = build_model(model_spec)
+        xs = example_inputs(model, input_specs, what=f"MODEL {spec!r}")
+        recorded: Sequence[InputSpec] = input_specs or [InputSpec.of(x) for x in xs]
+    with reports_errors(f"compiling {spec}"):
+        start = time.perf_counter()
+        compiled = fxzero.compile_program(model, xs, config, world_size=world or DEFAULT_WORLD,
+                                          cost_model=static_cost_model(config))
+        seconds = time.perf_counter() - start
+        art = record(compiled, model=spec, inputs=recorded, config=config, seconds=seconds)
+    return Compiled(art, seconds)
+
+
+def _looks_like_path(source: str) -> bool:
+    return os.path.exists(source) or (":" not in source and (os.sep in source or source.endswith(".json")))
+
+
+def load_source(source: str, *, world: Optional[int] = None, stage: Optional[str] = None,
+                config_path: Optional[str] = None, inputs: Sequence[str] = ()) -> Artifacts:
+    """Artifacts from a directory written by `fxzero compile`, or compiled now from a MODEL."""
+    if _looks_like_path(source):
+        with reports_errors():
+            art = Artifacts.read(source)
+        given = [name for name, v in (("--world", world), ("--stage", stage), ("--config", config_path),
+                                      ("--inputs", inputs)) if v]
+        if given:
+            click.echo(f"note: {', '.join(given)} apply when tracing a MODEL; {source} was compiled "
+                       f"for ZeRO-{art.schedule.stage} on {art.schedule.world_size} ranks", err=True)
+        return art
+    return compile_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs).artifacts
+
+
+def slug(spec: str) -> str:
+    """A directory name for a MODEL spec: 'gpt-tiny(n_blocks=2)' -> 'gpt-tiny_n_blocks_2'."""
+    base = spec.rsplit("/", 1)[-1].replace(".py:", "-")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", base).strip("_") or "model"

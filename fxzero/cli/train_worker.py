@@ -1,0 +1,180 @@
+"""One rank of `fxzero train`, started by torchrun: `python -m fxzero.cli.train_worker ...`.
+
+Trains a MODEL on synthetic data and reports to the launching `fxzero train` on stdout, one JSON
+event per line from rank 0 (`start`, `step`, `done`), plus an `error` event from any rank that
+fails. The data is a task the model can learn, picked from its inputs and outputs:
+
+- tokens: one integer input (B, T) in [0, V) and logits (B, T, V): predict perm[x], a fixed
+  permutation of each token (as tools/demo.py does); a uniform guess scores ln V;
+- classes: one floating point input and logits (B, C): the argmax class of a fixed random
+  linear teacher of the flattened input;
+- anything else: drive the outputs towards zero (mean squared output), just to exercise a step.
+
+Each rank draws its own batch every step, as data-parallel ranks do. At the end rank 0 records
+the artifacts (graph, pass trace, the schedule that ran, and run.json) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+TASK_SEED = 1234
+
+
+def _emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fxzero.cli.train_worker")
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--stage", default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--config", default=None)
+    p.add_argument("--inputs", action="append", default=[])
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+class Task:
+    """A synthetic learning problem for a model's inputs and outputs."""
+
+    def __init__(self, name: str, describe: str, loss: Callable, target: Callable):
+        self.name, self.describe, self.loss, self.target = name, describe, loss, target
+
+
+def choose_task(specs, outputs) -> Task:
+    out = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    single = len(specs) == 1
+    if single and specs[0].high is not None and out.dim() == 3 and specs[0].low >= 0 and out.shape[-1] >= specs[0].high:
+        vocab = out.shape[-1]
+        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(TASK_SEED))
+        return Task("tokens", f"predict a fixed permutation of each token (uniform guess: {math.log(vocab):.3f})",
+                    lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+                    lambda xs: perm[xs[0]])
+    if single and specs[0].dtype.is_floating_point and out.dim() == 2:
+        classes = out.shape[-1]
+        features = math.prod(specs[0].shape[1:])
+        teacher = torch.randn(features, classes, generator=torch.Generator().manual_seed(TASK_SEED))
+        return Task("classes", f"classify by a fixed random linear teacher (uniform guess: {math.log(classes):.3f})",
+                    lambda o, y: F.cross_entropy(o, y),
+                    lambda xs: (xs[0].flatten(1).float() @ teacher).argmax(-1))
+    return Task("outputs", "drive the outputs towards zero (mean squared output)",
+                lambda o, y: sum(t.float().pow(2).mean() for t in (o if isinstance(o, (tuple, list)) else [o])),
+                lambda xs: None)
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(args: argparse.Namespace, rank: int, world: int) -> None:
+    import fxzero
+    from fxzero.artifacts import record
+    from fxzero.cli.common import make_config
+    from fxzero.modelspec import InputSpec, build_model, example_inputs, parse_inputs
+
+    specs = parse_inputs(args.inputs)
+    config = make_config(args.config, args.stage)
+    if args.lr is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, lr=args.lr))
+    torch.manual_seed(config.seed)
+    model = build_model(args.model)
+    specs = specs or [InputSpec.of(x) for x in example_inputs(model, what=f"MODEL {args.model!r}")]
+    start = time.perf_counter()
+    engine = fxzero.compile(model, config)
+    if rank == 0:
+        _emit("start", model=args.model, params=engine.num_params, world=world, stage=config.stage,
+              compile_seconds=time.perf_counter() - start)
+
+    task: Optional[Task] = None
+    steps, spans = [], []
+    batch_inputs = None
+    for step in range(1, args.steps + 1):
+        gen = torch.Generator().manual_seed(TASK_SEED + 1 + step * world + rank)
+        batch_inputs = tuple(s.make(gen, batch=args.batch) for s in specs)
+        t0 = time.time()
+        out = engine(*batch_inputs)
+        if task is None:
+            task = choose_task(specs, out)
+            if rank == 0:
+                _emit("task", name=task.name, describe=task.describe)
+        loss = task.loss(out, task.target(batch_inputs))
+        t1 = time.time()
+        engine.backward(loss)
+        t2 = time.time()
+        mem = engine.memory_report()  # gradients still held, optimizer states from earlier steps
+        engine.step()
+        t3 = time.time()
+        spans += [{"rank": rank, "step": step, "name": n, "start": a, "end": b}
+                  for n, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3))]
+        stats = torch.tensor([loss.item(), t3 - t0, mem["model_states"], mem["gathered_peak"], _rss_bytes()],
+                             dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        if rank == 0:
+            row = {
+                "step": step,
+                "loss": sum(g[0].item() for g in gathered) / world,
+                "seconds": max(g[1].item() for g in gathered),
+                "ranks": [{"rank": r, "model_states": int(g[2]), "gathered_peak": int(g[3]), "peak_rss": int(g[4])}
+                          for r, g in enumerate(gathered)],
+            }
+            steps.append(row)
+            _emit("step", **row)
+
+    all_spans: list = [None] * world
+    dist.all_gather_object(all_spans, spans)
+    if rank != 0:
+        return
+    # Record what ran: the engine's schedule (what executed), and the graph and pass trace of
+    # the same compile (same model, layouts, config and input shapes; the fingerprints agree).
+    start = time.perf_counter()
+    compiled = fxzero.compile_program(model, batch_inputs, config, world_size=world, layouts=engine.layouts,
+                                      cost_model=engine.cost_model)
+    if compiled.schedule.fingerprint != engine.schedule.fingerprint:
+        raise RuntimeError("internal error: the recorded compile differs from the schedule that ran")
+    compiled.schedule = engine.schedule
+    recorded_specs = [InputSpec(s.dtype, tuple(x.shape), s.low, s.high) for s, x in zip(specs, batch_inputs)]
+    art = record(compiled, model=args.model, inputs=recorded_specs, config=config,
+                 seconds=time.perf_counter() - start, command="train")
+    art.run = {"task": task.name if task else None, "steps": steps, "spans": [s for r in all_spans for s in r],
+               "comm_last_step": engine.comm_report()}
+    art.write(args.out)
+    _emit("done", out=args.out)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = _parse(argv)
+    torch.set_num_threads(1)  # one core per rank: the ranks share the machine's cores
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        train(args, rank, world)
+    except Exception as e:  # noqa: BLE001 - every failure goes to the launcher as one line
+        _emit("error", rank=rank, message=f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
