@@ -1,0 +1,132 @@
+"""`fxzero compile` and `fxzero graph`: artifacts on disk and real rendering with `dot`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from fxzero.artifacts import Artifacts
+from tests.cli.conftest import TINY, WORLD, invoke
+
+
+def test_compile_writes_the_artifacts(tiny_dir, runner):
+    for name in ("manifest.json", "schedule.json", "pass_trace.json", "graph.json", "graph.txt", "memory.json"):
+        assert os.path.getsize(os.path.join(tiny_dir, name)) > 0, name
+    art = Artifacts.read(tiny_dir)
+    assert art.manifest["model"] == TINY and art.schedule.world_size == WORLD and art.schedule.stage == 3
+    assert art.units == ["root", "blocks.0", "blocks.1"]
+    passes = [r["name"] for r in art.pass_trace]
+    assert passes[0] == "partition" and passes[-1] == "split"
+    assert all({"changed", "seconds", "nodes_before", "nodes_after", "summary"} <= set(r) for r in art.pass_trace)
+    kinds = {n["kind"] for n in art.graph["nodes"]}
+    assert {"unit", "all_gather", "wait", "free", "reduce_scatter", "compute"} <= kinds
+    # graph.json names exactly the nodes the schedule's instructions are named after.
+    names = {n["name"] for n in art.graph["nodes"]}
+    assert all(i.name in names for p in art.schedule.programs[:2] for i in p.instructions)
+
+
+def test_compile_output_shows_the_pass_trace(tmp_path, runner):
+    out = str(tmp_path / "cnn")
+    result = invoke(runner, "compile", "cnn", "--world", "4", "--stage", "2", "-o", out)
+    assert "ZeRO-2 on 4 ranks" in result.output
+    for name in ("partition", "insert_reduce_scatter", "split"):
+        assert re.search(rf"^\s+{name}\s+(yes|no)\s+\d+ -> \d+", result.output, re.M), result.output
+    assert Artifacts.read(out).schedule.stage == 2
+
+
+def _clusters(svg: str) -> list[str]:
+    return re.findall(r'<g id="clust\d+" class="cluster">\s*<title>(.*?)</title>', svg)
+
+
+def _node_ids(svg: str) -> set[str]:
+    return set(re.findall(r'<g id="node\d+" class="node">\s*<title>(.*?)</title>', svg))
+
+
+def test_graph_svg_has_one_cluster_per_unit_and_program_and_every_ir_node(tiny_dir, runner):
+    out = os.path.join(tiny_dir, "full.svg")
+    invoke(runner, "graph", tiny_dir, "--no-collapse", "-o", out)
+    svg = open(out).read()
+    art = Artifacts.read(tiny_dir)
+    clusters = _clusters(svg)
+    for phase in ("forward", "backward"):
+        assert clusters.count(f"cluster_{phase}") == 1
+        for unit in art.units:
+            assert clusters.count(f"cluster_{phase}_{unit}") == 1, (phase, unit, clusters)
+    drawn = _node_ids(svg)
+    by_kind: dict[str, set[str]] = {}
+    for n in art.graph["nodes"]:
+        by_kind.setdefault(n["kind"], set()).add(n["name"])
+    for kind in ("all_gather", "wait", "free", "flatten_grads", "reduce_scatter", "compute", "param_view"):
+        assert by_kind[kind] <= drawn, kind
+    # colour by kind: the all-gather and reduce-scatter fills are there, one per such node
+    assert svg.count('fill="#2f6db5"') >= len(by_kind["all_gather"])
+    assert svg.count('fill="#f28e2b"') >= len(by_kind["reduce_scatter"])
+
+
+def test_graph_collapsed_png_and_unit_view(tiny_dir, runner):
+    result = invoke(runner, "graph", tiny_dir, "--collapse", "--format", "png")
+    path = os.path.join(tiny_dir, "graph-collapsed.png")
+    assert path in result.output
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    collapsed = invoke(runner, "graph", tiny_dir, "--collapse", "-o", "-", "--format", "svg").stdout
+    assert len(_node_ids(collapsed)) < 80  # ~300 nodes fold into a few boxes per unit
+    unit = invoke(runner, "graph", tiny_dir, "--unit", "blocks.1", "-o", "-", "--format", "dot").stdout
+    assert '"cluster_forward_blocks.1"' in unit and "cluster_forward_blocks.0" not in unit
+    assert "(from blocks.0)" in unit  # the activation it reads, drawn as an outside source
+
+
+def test_graph_of_a_model_spec_without_a_directory(tmp_path, runner, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(runner, "graph", "cnn", "--world", "2", "--format", "dot")
+    assert "wrote cnn-graph.dot" in result.output
+    assert open("cnn-graph.dot").read().startswith("digraph fxzero {")
+
+
+# -- errors: one line, non-zero exit, no traceback ----------------------------------------------
+
+
+def _one_line_error(result, *needles: str) -> None:
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    for needle in needles:
+        assert needle in lines[0], result.output
+
+
+def test_error_model_spec_does_not_resolve(runner):
+    _one_line_error(invoke(runner, "compile", "gpt-huge", ok=False), "does not resolve", "gpt-tiny")
+    _one_line_error(invoke(runner, "graph", "nosuchpkg:Model", ok=False), "no module named 'nosuchpkg'")
+
+
+def test_error_not_an_artifact(tmp_path, runner):
+    stray = tmp_path / "notes.txt"
+    stray.write_text("hello")
+    _one_line_error(invoke(runner, "schedule", str(stray), ok=False), "is not an fxzero artifact")
+    _one_line_error(invoke(runner, "graph", str(tmp_path), ok=False), "no manifest.json", "fxzero compile")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{not json")
+    _one_line_error(invoke(runner, "schedule", str(bad), ok=False), "not valid JSON")
+
+
+def test_error_format_dot_cannot_write(tiny_dir, runner):
+    _one_line_error(invoke(runner, "graph", tiny_dir, "--format", "docx", "-o", "-", ok=False),
+                    "cannot write format 'docx'", "svg")
+
+
+def test_error_dot_missing(tiny_dir, runner, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `dot` on PATH
+    _one_line_error(invoke(runner, "graph", tiny_dir, "--format", "svg", "-o", "-", ok=False),
+                    "`dot` binary was not found", "apt-get install graphviz")
+    # the DOT source needs no binary
+    assert invoke(runner, "graph", tiny_dir, "--format", "dot", "-o", "-").stdout.startswith("digraph")
+
+
+def test_error_unknown_unit_and_refuses_foreign_output_dir(tiny_dir, runner, tmp_path):
+    _one_line_error(invoke(runner, "graph", tiny_dir, "--unit", "blocks.9", ok=False), "no unit 'blocks.9'", "blocks.1")
+    (tmp_path / "keep.txt").write_text("mine")
+    _one_line_error(invoke(runner, "compile", "cnn", "-o", str(tmp_path), ok=False), "refusing to write")

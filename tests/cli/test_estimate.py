@@ -1,0 +1,92 @@
+"""`fxzero estimate`: the ZeRO paper's arithmetic, and the runtime's own accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fxzero import estimate
+from fxzero.config import UnitsPolicy
+from fxzero.modelspec import build_model
+from fxzero.units import plan_units
+from tests.cli.conftest import invoke
+
+
+def _json(runner, *args):
+    return json.loads(invoke(runner, "estimate", *args, "--json").stdout)
+
+
+@pytest.mark.parametrize("phi, n", [(7.5e9, 64), (1.5e9, 16), (124_000_000, 8), (1e6, 1)])
+def test_params_reproduce_the_zero_paper(runner, phi, n):
+    rows = {r["stage"]: r for r in _json(runner, "--params", f"{phi:.0f}", "--world", str(n))["per_rank"]}
+    mixed = {s: rows[s]["mixed"]["total"] for s in rows}
+    assert mixed[0] == pytest.approx(16 * phi)
+    assert mixed[1] == pytest.approx(4 * phi + 12 * phi / n)
+    assert mixed[2] == pytest.approx(2 * phi + 14 * phi / n)
+    assert mixed[3] == pytest.approx(16 * phi / n)
+    fp32 = {s: rows[s]["fp32"]["total"] for s in rows}
+    assert fp32[1] == pytest.approx(8 * phi + 8 * phi / n)
+    assert fp32[2] == pytest.approx(4 * phi + 12 * phi / n)
+    assert fp32[3] == pytest.approx(16 * phi / n)
+
+
+def test_paper_example_7_5b_on_64_ranks(runner):
+    out = invoke(runner, "estimate", "--params", "7.5B", "--world", "64").output
+    # The paper's Figure 1: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB (decimal GB).
+    for gib in ("112 GiB", "29.2 GiB", "15.5 GiB", "1.75 GiB"):
+        assert gib in out
+
+
+def test_model_uses_the_runtime_layouts_with_padding(runner):
+    layouts = plan_units(build_model("gpt-tiny"), UnitsPolicy(), 3)
+    rows = {r["stage"]: r for r in _json(runner, "gpt-tiny", "--world", "3")["per_rank"]}
+    padded = sum(u.padded_numel for u in layouts)
+    shard = sum(u.shard_numel for u in layouts)
+    assert padded > sum(u.numel for u in layouts)  # world 3 pads
+    assert rows[3]["fp32"]["total"] == 16 * shard
+    assert rows[2]["fp32"]["total"] == 4 * padded + 12 * shard
+    assert rows[1]["fp32"]["total"] == 8 * padded + 8 * shard
+    assert rows[3]["mixed"]["total"] == 16 * shard
+
+
+def test_offload_moves_optimizer_states_and_stage3_params(runner):
+    result = _json(runner, "--params", "1B", "--world", "8", "--nodes", "2", "--offload", "nvme")
+    rows = {r["stage"]: r["mixed"] for r in result["per_rank"]}
+    assert result["ranks_per_node"] == 4
+    assert rows[0]["placement"]["nvme"] == 0
+    assert rows[2]["placement"]["nvme"] == pytest.approx(12e9 / 8)
+    assert rows[2]["placement"]["device"] == pytest.approx(2e9 + 2e9 / 8)
+    assert rows[3]["placement"]["nvme"] == pytest.approx(14e9 / 8)
+    assert rows[3]["placement"]["device"] == pytest.approx(2e9 / 8)
+    assert rows[3]["placement"]["cpu"] == 0
+    text = invoke(runner, "estimate", "--params", "1B", "--world", "8", "--nodes", "2", "--offload", "cpu").output
+    assert "cpu per node" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "either MODEL or --params"),
+    (("gpt-tiny", "--params", "1B"), "either MODEL or --params"),
+    (("--params", "lots"), "expected a count"),
+    (("--params", "1B", "--world", "6", "--nodes", "4"), "cannot be split evenly"),
+    (("gpt-enormous",), "does not resolve"),
+])
+def test_estimate_errors(runner, args, message):
+    result = invoke(runner, "estimate", *args, ok=False)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_runtime_accounting_matches_a_world_of_one_engine():
+    import fxzero
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model("cnn")
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None))
+    (x,) = model.example_inputs()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    states = estimate.runtime_model_states(engine.layouts, 3)
+    engine.backward(engine(x).square().mean())  # gradients held again, optimizer states exist
+    assert engine.memory_report()["model_states"] == states.total

@@ -1,0 +1,79 @@
+"""`fxzero schedule`: the table, the JSON, the Chrome trace and the memory plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from fxzero.artifacts import Artifacts
+from fxzero.timeline import HARDWARE
+from tests.cli.conftest import invoke
+
+
+def test_table_lists_streams_bytes_times_and_a_summary(tiny_dir, runner):
+    out = invoke(runner, "schedule", tiny_dir).output
+    s = Artifacts.read(tiny_dir).schedule
+    for p in s.programs:
+        assert f"{p.name} program: {len(p.instructions)} instructions" in out
+    header = next(line for line in out.splitlines() if line.strip().startswith("#"))
+    assert header.index("compute") < header.index("comm") < header.index("bytes")
+    # every collective is a row of its own in the comm column, every wait and free too
+    assert len(re.findall(r"all_gather (root|blocks\.\d)", out)) == sum(1 for _, i in s.collectives() if i.kind == "all_gather")
+    assert out.count("reduce_scatter blocks.") + out.count("reduce_scatter root") == sum(
+        1 for _, i in s.collectives() if i.kind == "reduce_scatter")
+    for line in ("step time", "exposed comm", "all_gather ", "reduce_scatter ", "peak gathered", "peak resident"):
+        assert re.search(rf"^  {line}", out, re.M), line
+    full = invoke(runner, "schedule", tiny_dir, "--full").output
+    assert len(full.splitlines()) > sum(len(p.instructions) for p in s.programs)
+
+
+def test_json_is_exactly_the_recorded_schedule(tiny_dir, runner):
+    out = invoke(runner, "schedule", tiny_dir, "--json").stdout
+    assert out.rstrip("\n") == open(os.path.join(tiny_dir, "schedule.json")).read()
+
+
+def test_trace_has_one_slice_per_instruction_in_program_order(tiny_dir, runner, tmp_path):
+    path = str(tmp_path / "trace.json")
+    invoke(runner, "schedule", tiny_dir, "--trace", path, "--simulate", "h100x8-nvlink")
+    trace = json.load(open(path))
+    s = Artifacts.read(tiny_dir).schedule
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") != "program"]
+    assert [(e["args"]["program"], e["name"]) for e in slices] == [
+        (p.name, i.name) for p in s.programs for i in p.instructions]
+    assert {e["cat"] for e in slices} >= {"all_gather", "wait", "free", "reduce_scatter", "compute", "optim_step"}
+    comm_tid = next(e["tid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["args"]["name"] == "comm")
+    assert all(e["tid"] == comm_tid for e in slices if e["cat"] in ("all_gather", "reduce_scatter"))
+    # a wait never ends before its collective
+    ends = {(e["args"]["program"], e["name"]): e["ts"] + e["dur"] for e in slices}
+    for p in s.programs:
+        for i in p.instructions:
+            if i.kind == "wait":
+                assert ends[(p.name, i.name)] >= ends[(p.name, i.reads[0])] - 1e-6
+    assert trace["otherData"]["hardware"] == "h100x8-nvlink"
+    assert any(e["ph"] == "C" for e in trace["traceEvents"])
+
+
+def test_plot_is_a_png(tiny_dir, runner, tmp_path):
+    path = str(tmp_path / "mem.png")
+    result = invoke(runner, "schedule", tiny_dir, "--json", "--plot", path)
+    assert json.loads(result.stdout)["fingerprint"]  # stdout stays pure JSON
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_schedule_of_a_model_spec_and_unknown_hardware(runner):
+    out = invoke(runner, "schedule", "cnn", "--world", "2", "--stage", "1").output
+    assert "cnn: ZeRO-1 on 2 ranks" in out
+    bad = invoke(runner, "schedule", "cnn", "--simulate", "tpu", ok=False)
+    assert bad.exit_code == 2 and all(name in bad.output for name in HARDWARE)
+
+
+def test_memory_record_follows_the_stage(tiny_dir):
+    art = Artifacts.read(tiny_dir)
+    s = art.schedule
+    grads = art.memory["programs"]["backward"]["gradients"]
+    shards = sum(u.shard_numel * u.itemsize for u in s.units if u.trainable)
+    assert grads[-1] == shards  # every gradient shard is alive when the backward ends
+    assert art.memory["programs"]["forward"]["gradients"][-1] == 0
+    assert art.memory["model_states"]["grads"] == shards
