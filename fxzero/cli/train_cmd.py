@@ -17,7 +17,7 @@ from typing import Optional
 
 import click
 
-from fxzero.cli.common import CLIError, slug
+from fxzero.cli.common import CLIError, reports_errors, slug
 from fxzero.viz.fmt import human_bytes, human_count
 
 __all__ = ["train_command"]
@@ -89,6 +89,11 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
     writes the artifacts of the program that ran (as `fxzero compile` does) plus run.json,
     for `fxzero graph DIR` and `fxzero schedule DIR --trace t.json`.
     """
+    with reports_errors():  # a MODEL that does not resolve fails here, before any rank starts
+        from fxzero.modelspec import build_model, parse_inputs
+
+        build_model(model)
+        parse_inputs(inputs)
     out_dir = out_dir or os.path.join("artifacts", slug(model) + "-train")
     options = ["--steps", str(steps), "--out", out_dir]
     for flag, value in (("--batch", batch), ("--stage", stage), ("--lr", lr), ("--config", config_path)):
