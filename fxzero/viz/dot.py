@@ -76,8 +76,10 @@ def _label(n: dict, unit_bytes: dict[str, int]) -> str:
         return ".".join((n.get("fqn") or n["name"]).split(".")[-2:])
     if kind == "unit":
         return f"shard\n{n.get('unit')}"
-    if kind in ("input", "grad_output", "buffer", "output"):
-        return n["name"]
+    if kind in ("input", "grad_output", "buffer"):
+        return f"{KIND_STYLE[kind][3]}\n{n['name']}"
+    if kind == "output":
+        return "outputs"
     shape = "x".join(map(str, n["shape"])) if n.get("shape") else ""
     return _short_target(n["target"]) + (f"\n{shape}" if shape else "")
 
