@@ -30,6 +30,8 @@ def human_seconds(s: float) -> str:
     """0.00123 -> '1.23 ms'."""
     if s == 0:
         return "0"
+    if abs(s) >= 100:
+        return f"{s:,.0f} s"
     if abs(s) >= 1:
         return f"{s:.3g} s"
     if abs(s) >= 1e-3:
