@@ -90,8 +90,8 @@ class _RunProgram(torch.autograd.Function):
             for g, (shape, dtype), d in zip(grads, ctx.shapes, sig.differentiable)
             if d
         ]
-        ctx.engine._run_backward(ctx.compiled, ctx.saved, grad_outputs)
-        ctx.saved = None
+        saved, ctx.saved = ctx.saved, None
+        ctx.engine._run_backward(ctx.compiled, saved, grad_outputs)
         return (None, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -191,7 +191,12 @@ class Engine:
         program = compiled.compiled.programs["backward"]
         saved_names = [key for kind, key in program.inputs if kind == "saved"]
         values = {"saved": dict(zip(saved_names, saved)), "grad_output": grad_outputs}
-        results = compiled.backward.run(self._bind(compiled.backward, program, values))
+        env = self._bind(compiled.backward, program, values)
+        # From here the program's environment holds the only references to the activations,
+        # so each is freed right after its last use in the backward.
+        saved.clear()
+        values.clear()
+        results = compiled.backward.run(env)
         for (_, unit), grad in zip(program.outputs, results):
             if unit in self._grads:
                 raise RuntimeError(

@@ -135,6 +135,7 @@ class ProgramRunner:
         missing = set(self.program.inputs) - set(inputs)
         assert not missing, f"{self.program.name} program is missing inputs {sorted(missing)}"
         env = dict(inputs)
+        inputs.clear()  # the caller's dict must not keep values alive past their last use
         for i, (ins, fn) in enumerate(self.steps):
             env[ins.name] = fn(env)
             for name in self.drop_after.get(i, ()):
