@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="runs redone when other processes kept more than --quiet-cores busy during them; the "
         "noisy run's line is kept, marked \"discarded\" (default: 1)",
     )
+    parser.add_argument(
+        "--summarize", metavar="JSONL", default=None,
+        help="run nothing: recompute the system and summary lines from the run lines of an earlier output",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 timed step, 1 round (for tests)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -107,7 +111,7 @@ def versions() -> dict[str, str]:
 
 
 def git_state() -> str:
-    """The checkout's commit, with "-dirty" when fxzero's files differ from it."""
+    """The checkout's commit, with "-dirty" when tracked files differ from it (work in progress)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,8 +160,38 @@ def fxzero_path() -> str:
     return os.path.dirname(fxzero.__file__)
 
 
+def summarize(path: str, quiet_cores: float) -> int:
+    """Print the system and summary lines for the kept run lines of an earlier output."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip().startswith("{")]
+    config = next(line for line in lines if line["event"] == "config")
+    missing = {line["system"]: line["reason"] for line in lines if line["event"] == "unavailable"}
+    runs: dict[str, list[dict]] = {}
+    for line in lines:
+        if line["event"] == "run" and "discarded" not in line:
+            runs.setdefault(line["system"], []).append(line)
+    finish(runs, config["num_params"], config["spec"]["model"], missing, quiet_cores)
+    return 0
+
+
+def finish(runs: dict[str, list[dict]], num_params: int, model: str, missing: dict[str, str], quiet_cores: float) -> dict:
+    """Emit one "system" line per system (in `runs`' order) and the "summary" line."""
+    systems: dict[str, dict] = {}
+    for name in sorted(runs, key=lambda n: n != "ddp"):  # DDP first: the loss reference
+        reference = systems.get("ddp") if name != "ddp" else None
+        systems[name] = report.system_line(
+            name, SYSTEMS[name].description, runs[name], reference, quiet_cores=quiet_cores
+        )
+    for name in runs:
+        emit(systems[name])
+    emit(report.summary_line({n: systems[n] for n in runs}, num_params, model, missing))
+    return systems
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize, args.quiet_cores)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     preset = dict(MODEL_PRESETS[args.model])
     if args.batch is not None:
@@ -166,9 +200,21 @@ def main(argv=None) -> int:
         **preset, world_size=args.ranks, threads=args.threads, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout
     )
     num_params = count_params(spec.model)
-    emit({"event": "config", "spec": dataclasses.asdict(spec), "num_params": num_params, "rounds": args.rounds,
-          "systems": args.systems, "python_executable": sys.executable, "versions": versions(), "git": git_state(), "fxzero_path": fxzero_path(), "cpus": os.cpu_count(),
-          "order": "alternating: every system once per round, in the order given"})
+    emit({
+        "event": "config",
+        "spec": dataclasses.asdict(spec),
+        "num_params": num_params,
+        "rounds": args.rounds,
+        "systems": args.systems,
+        "order": "alternating: every system once per round, in the order given; a redone run follows its discarded one",
+        "quiet_cores": args.quiet_cores,
+        "retries": args.retries,
+        "python_executable": sys.executable,
+        "versions": versions(),
+        "git": git_state(),
+        "fxzero_path": fxzero_path(),
+        "cpus": os.cpu_count(),
+    })
 
     missing: dict[str, str] = {}
     runnable = []
@@ -198,14 +244,7 @@ def main(argv=None) -> int:
                     runs[name].append(line)
                     break
 
-    systems: dict[str, dict] = {}
-    order = sorted(runnable, key=lambda n: n != "ddp")  # DDP first: the loss reference
-    for name in order:
-        reference = systems.get("ddp") if name != "ddp" else None
-        systems[name] = report.system_line(name, SYSTEMS[name].description, runs[name], reference)
-    for name in runnable:  # in the order asked for
-        emit(systems[name])
-    emit(report.summary_line({n: systems[n] for n in runnable}, num_params, spec.model, missing))
+    systems = finish(runs, num_params, spec.model, missing, args.quiet_cores)
     return 0 if all(s.get("rounds_ok") for s in systems.values()) else 1
 
 

@@ -33,15 +33,19 @@ SYSTEM_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def lines() -> list[dict]:
+def output() -> str:
     proc = subprocess.run(
         [sys.executable, "tools/bench.py", "--quick", "--timeout", "300", "--systems", ",".join(SYSTEMS)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, f"bench.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert out, f"bench.py printed nothing; stderr:\n{proc.stderr}"
-    return out
+    assert proc.stdout.strip(), f"bench.py printed nothing; stderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def lines(output) -> list[dict]:
+    return [json.loads(line) for line in output.splitlines() if line.strip()]
 
 
 def by_event(lines: list[dict], event: str) -> list[dict]:
@@ -121,3 +125,16 @@ def test_deepspeed_runs(lines):
         assert runs[name]["ok"], runs[name].get("error")
         assert runs[name]["deepspeed"]
     assert runs["ds-zero3-offload-cpu"]["optimizer"] == "DeepSpeedCPUAdam"
+
+
+def test_summarize_recomputes_the_same_summary(output, lines, tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(output)
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--summarize", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    again = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert again[-1] == lines[-1]
+    assert [line for line in again if line["event"] == "system"] == by_event(lines, "system")

@@ -75,8 +75,18 @@ def run_line(name: str, round_: int, result: dict[str, Any], steps: int, warmup:
     return line
 
 
-def system_line(name: str, description: str, runs: list[dict[str, Any]], reference: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """The "system" line: `runs` are this system's "run" lines; `reference` is DDP's system line."""
+def system_line(
+    name: str,
+    description: str,
+    runs: list[dict[str, Any]],
+    reference: Optional[dict[str, Any]],
+    quiet_cores: Optional[float] = None,
+) -> dict[str, Any]:
+    """The "system" line: `runs` are this system's kept "run" lines; `reference` is DDP's line.
+
+    With `quiet_cores`, also the median over the runs during which other processes kept fewer
+    cores than that busy (`median_step_s_quiet`), next to the median over all kept runs.
+    """
     ok = [r for r in runs if r["ok"]]
     line: dict[str, Any] = {"event": "system", "system": name, "description": description, "rounds_ok": len(ok), "rounds_failed": len(runs) - len(ok)}
     if not ok:
@@ -97,6 +107,9 @@ def system_line(name: str, description: str, runs: list[dict[str, Any]], referen
         comm_bytes_per_step=first["comm"]["bytes"],
         comm_volume_elements_per_step=first["comm"]["volume_elements"],
         comm_by_kind=first["comm"]["by_kind"],
+        # The figures above are round 1's; a compiler that picks collectives per run (fxzero's
+        # cost model) may move different volumes in other rounds, so every round's is listed.
+        comm_volume_elements_per_round=[r["comm"]["volume_elements"] for r in ok],
         comm_counted_by=first["comm_counted_by"],
         loopback_bytes_per_step=_median([r["loopback_bytes_per_step"] for r in ok if r.get("loopback_bytes_per_step") is not None]),
         final_loss=first["final_loss"],
@@ -113,6 +126,10 @@ def system_line(name: str, description: str, runs: list[dict[str, Any]], referen
         line["comm_bytes_per_step"] = first["engine_comm_bytes_per_step"]
         line["comm_by_kind"] = first["engine_comm_per_step"]
         line["comm_counted_by"] = first["engine_comm_counted_by"] + "; cross-check: " + first["comm_counted_by"]
+    if quiet_cores is not None:
+        quiet = [r for r in ok if r.get("background_cores", 0.0) <= quiet_cores]
+        line["quiet_rounds"] = len(quiet)
+        line["median_step_s_quiet"] = _median([t for r in quiet for t in r["step_times_s"]])
     predicted = [r["predicted_step_s"] for r in ok if "predicted_step_s" in r]
     if predicted:
         line["predicted_step_s"] = _median(predicted)
@@ -150,6 +167,10 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
             # from the line above when the engine replaces a reduce-scatter by an all-reduce.
             "comm_volume_vs_3phi": s["comm_volume_elements_per_step"] / (3 * num_params),
         }
+        if s.get("median_step_s_quiet") is not None:
+            # The same ratios over quiet runs only (see system_line); `met` uses all kept runs.
+            t["step_vs_fsdp2_quiet"] = _ratio(s["median_step_s_quiet"], fsdp2.get("median_step_s_quiet"))
+            t["step_vs_ds_zero3_quiet"] = _ratio(s["median_step_s_quiet"], ds.get("median_step_s_quiet"))
         if "predicted_vs_measured" in s:
             t["predicted_vs_measured"] = s["predicted_vs_measured"]
         t["met"] = {
@@ -175,6 +196,7 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         },
         "fxzero": targets,
         "median_step_s": {n: s.get("median_step_s") for n, s in systems.items()},
+        "median_step_s_quiet": {n: s.get("median_step_s_quiet") for n, s in systems.items()},
         "peak_rss_mb": {n: s.get("peak_rss_mb") for n, s in systems.items()},
         "comm_elements_per_step": {n: s.get("comm_elements_per_step") for n, s in systems.items()},
         "loss_max_abs_dev_vs_ddp": devs,
