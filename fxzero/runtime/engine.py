@@ -118,6 +118,7 @@ class Engine:
         self._gathered = GatheredMemory()
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self.cost_model = self._resolve_cost_model(config.cost_model)
+        self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[_Compiled] = None
 
     # -- compile ---------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class Engine:
 
     def _run_forward(self, compiled: _Compiled, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         program = compiled.compiled.programs["forward"]
-        results = compiled.forward.run(self._bind(compiled.forward, program, {"input": inputs}))
+        results = compiled.forward.run(self._bind(compiled.forward, program, {"input": inputs}), self._record)
         sig = compiled.compiled.signature
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
@@ -196,7 +197,7 @@ class Engine:
         # so each is freed right after its last use in the backward.
         saved.clear()
         values.clear()
-        results = compiled.backward.run(env)
+        results = compiled.backward.run(env, self._record)
         for (_, unit), grad in zip(program.outputs, results):
             if unit in self._grads:
                 raise RuntimeError(
@@ -257,6 +258,14 @@ class Engine:
             else:
                 raise AssertionError(f"unexpected {ins.kind} in the step program")
         self._grads.clear()
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (or stop) recording when each forward/backward instruction runs."""
+        self._record = [] if on else None
+
+    def timeline(self) -> list:
+        """The instructions run since recording started: `Timed(program, index, start, end)`."""
+        return list(self._record or [])
 
     def zero_grad(self) -> None:
         self._grads.clear()

@@ -10,7 +10,8 @@ right after its last reader, so activations and gathered views die as early as t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import time
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -19,7 +20,16 @@ from torch.utils._pytree import tree_map
 from fxzero.runtime.comm import Comm, Pending
 from fxzero.schedule import Instruction, ProgramSchedule
 
-__all__ = ["GatheredMemory", "ProgramRunner"]
+__all__ = ["GatheredMemory", "ProgramRunner", "Timed"]
+
+
+class Timed(NamedTuple):
+    """One executed instruction of a recorded timeline."""
+
+    program: str
+    index: int
+    start: float
+    end: float
 
 _RUNTIME_TARGET = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
 
@@ -131,13 +141,23 @@ class ProgramRunner:
         raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
 
     @torch.no_grad()
-    def run(self, inputs: dict[str, Any]) -> list[Any]:
+    def run(self, inputs: dict[str, Any], record: Optional[list] = None) -> list[Any]:
+        """Run the program on `inputs` (consumed: the dict is emptied).
+
+        Args:
+            record: if given, one `Timed(program, index, start, end)` per instruction is
+                appended (time.perf_counter seconds), the recorded timeline of this run.
+        """
         missing = set(self.program.inputs) - set(inputs)
         assert not missing, f"{self.program.name} program is missing inputs {sorted(missing)}"
         env = dict(inputs)
         inputs.clear()  # the caller's dict must not keep values alive past their last use
+        clock = time.perf_counter
         for i, (ins, fn) in enumerate(self.steps):
+            start = clock() if record is not None else 0.0
             env[ins.name] = fn(env)
+            if record is not None:
+                record.append(Timed(self.program.name, i, start, clock()))
             for name in self.drop_after.get(i, ()):
                 del env[name]
         return [env[name] for name in self.program.outputs]
