@@ -210,11 +210,12 @@ def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 14, 1 << 21), name: s
 
     Every rank of `comm` must call it together.
     """
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = 2 * n**3 / _time(lambda: a @ b, 3)
-    big = torch.empty(1 << 22)
-    src = torch.randn(1 << 22)
+    # A transformer-shaped matmul (tokens x width @ width x 3 width), and a copy far larger
+    # than the caches, so neither probe measures a best case the model never sees.
+    a, b = torch.randn(512, 512), torch.randn(512, 1536)
+    flops = 2 * 512 * 512 * 1536 / _time(lambda: a @ b, 3)
+    big = torch.empty(1 << 24)
+    src = torch.randn(1 << 24)
     mem = 2 * big.numel() * 4 / _time(lambda: big.copy_(src), 3)
     tiny = torch.ones(8)
     overhead = _time(lambda: [torch.ops.aten.add.Tensor(tiny, tiny) for _ in range(200)], 3) / 200

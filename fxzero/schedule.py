@@ -231,6 +231,8 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
         numel, nbytes = _value_bytes(node.meta.get("val"))
     flops = _flops(node) if k == "compute" else 0
     read_bytes = sum(_value_bytes(i.meta.get("val"))[1] for i in node.all_input_nodes) if k == "compute" else 0
+    if k == "compute" and alias_source(node) is not None:
+        nbytes = read_bytes = 0  # a view moves no data
     return Instruction(
         name=node.name,
         kind=k,
