@@ -9,10 +9,13 @@
 #      left to DeepSpeed's JIT (DS_BUILD_OPS=0).
 #   4. Warms DeepSpeed's JIT cache (~/.cache/torch_extensions/) for the ops the benchmark uses on
 #      CPU (DS_ACCELERATOR=cpu): the shared-memory comm op (deepspeed_shm_comm, which every
-#      deepspeed.init_distributed() loads) and cpu_adam (the offload systems' optimizer). ANCHORS.md measured about 2 and 3
-#      minutes; the first run of this script takes that long, later runs a few seconds.
-#   5. Only with BENCH_NVME=1: libaio (apt-get, as root) and the async_io op (~5.5 minutes), for
-#      the ZeRO-Infinity NVMe system (`tools/bench.py --systems ds-zero3-nvme`).
+#      deepspeed.init_distributed() loads) and cpu_adam (the offload systems' optimizer).
+#   5. Only with BENCH_NVME=1: libaio (apt-get, as root) and the async_io op, for the
+#      ZeRO-Infinity system (`tools/bench.py --systems ds-zero3-offload-nvme`), off by default.
+#
+# Measured on a 2-core machine of this project: the deepspeed install 16 s (a source build with
+# no ops), shm_comm 33 s, cpu_adam about a minute, async_io 201 s. A second run of this script
+# finds everything in place and takes seconds.
 #
 # If deepspeed cannot be installed, the script says so and exits 0: tools/bench.py still runs
 # every other system and prints a JSON line naming the reason for each DeepSpeed one.

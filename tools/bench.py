@@ -13,6 +13,17 @@ the model from the same seed, trains --warmup untimed then --steps timed steps o
 batches, and reports median step time, peak RSS per rank (VmHWM), traffic per step and the
 losses. JSON lines go to stdout ("config", "unavailable", "run", "system", "summary");
 progress goes to stderr. See tools/bench/report.py for each line's fields.
+
+The machine is shared: before each run the benchmark waits (up to --quiet-wait) until other
+processes keep fewer than --quiet-cores cores busy, measures the background load during the
+run, and redoes a run that had company (--retries); the noisy line stays, marked "discarded".
+
+Traffic: fxzero's figure is its engine's comm_report(); every other system's is counted by
+wrapping torch.distributed's collectives in the rank (DDP: a comm hook), and the loopback
+interface's byte counter says what gloo actually sent (tools/bench/commcount.py).
+
+DeepSpeed ZeRO-Infinity (`--systems ds-zero3-offload-nvme`) is off by default: it needs libaio
+and a 3-minute JIT build (`BENCH_NVME=1 bash scripts/bench-env.sh`).
 """
 
 from __future__ import annotations
