@@ -166,6 +166,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         train(args, rank, world)
+        # Rank 0 writes the artifacts after the last collective. The other ranks wait for it
+        # here: a rank that tears its gloo group down while a peer still holds it open can
+        # abort ("terminate called without an active exception"), failing a finished run.
+        dist.barrier()
     except Exception as e:  # noqa: BLE001 - every failure goes to the launcher as one line
         _emit("error", rank=rank, message=f"{type(e).__name__}: {e}")
         traceback.print_exc()
