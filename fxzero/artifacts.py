@@ -10,6 +10,7 @@ Record, then view: `record()` turns the compiler's live products into plain JSON
     DIR/graph.txt        the same graph as Python code (`GraphModule.code`), for reading
     DIR/memory.json      model states and live bytes per instruction (fxzero.liveness)
     DIR/run.json         `fxzero train` only: losses, step times, per-rank memory, spans
+    DIR/timeline.json    `fxzero train` only: when each instruction of the last step ran, per rank
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ FILES = {
     "code": "graph.txt",
     "memory": "memory.json",
     "run": "run.json",
+    "timeline": "timeline.json",
 }
 
 
@@ -57,6 +59,10 @@ class Artifacts:
     memory: dict
     code: str = ""
     run: Optional[dict] = None
+    timeline: Optional[dict] = None
+    """The recorded timeline (`fxzero train`): {"clock", "step", "ranks": [{"rank",
+    "instructions": [[program, index, start, end], ...], "step_program": [start, end]}]};
+    read by `fxzero.viz.timing.recorded`."""
     directory: Optional[str] = None
     """Where it was read from or written to, if anywhere."""
 
@@ -87,10 +93,13 @@ class Artifacts:
             "code": self.code,
             "memory": json.dumps(self.memory, separators=(",", ":")),
         }
-        if self.run is not None:
-            contents["run"] = _dumps(self.run)
-        else:
-            _remove(os.path.join(directory, FILES["run"]))  # from an earlier train into DIR
+        # run.json and timeline.json only come from `fxzero train`: drop those of an earlier
+        # train into DIR, so a directory never mixes two runs.
+        for key, value, dumps in (("run", self.run, _dumps), ("timeline", self.timeline, _compact)):
+            if value is not None:
+                contents[key] = dumps(value)
+            else:
+                _remove(os.path.join(directory, FILES[key]))
         paths = []
         for key, text in contents.items():
             path = os.path.join(directory, FILES[key])
@@ -139,6 +148,7 @@ class Artifacts:
                 raise
             raise ArtifactError(f"{directory}/{FILES['schedule']}: {e}") from e
         run_path = os.path.join(directory, FILES["run"])
+        timeline_path = os.path.join(directory, FILES["timeline"])
         code_path = os.path.join(directory, FILES["code"])
         code = ""
         if os.path.exists(code_path):
@@ -152,12 +162,17 @@ class Artifacts:
             memory=_load_json(os.path.join(directory, FILES["memory"])),
             code=code,
             run=_load_json(run_path) if os.path.exists(run_path) else None,
+            timeline=_load_json(timeline_path) if os.path.exists(timeline_path) else None,
             directory=directory,
         )
 
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, indent=1)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _write_text(path: str, text: str) -> None:
