@@ -16,9 +16,20 @@ from fxzero.artifacts import ArtifactError, Artifacts, record
 from fxzero.modelspec import SpecError, build_model, example_inputs, parse_inputs, parse_model, InputSpec
 from fxzero.viz.render import DotError
 
-__all__ = ["CLIError", "compile_source", "load_source", "reports_errors", "trace_options"]
+__all__ = ["CLIError", "compile_source", "describe_hardware", "load_source", "reports_errors", "trace_options"]
 
 DEFAULT_WORLD = 8
+
+DEFAULT_HARDWARE = "cpu-loopback"
+"""The `fxzero.cost` preset `fxzero schedule` simulates unless told otherwise (--simulate)."""
+
+# What each `fxzero.cost.PRESETS` entry stands for, in words, for the summary. The cost model
+# carries figures only; a preset without an entry here is described by its figures alone.
+HARDWARE_DESCRIPTIONS = {
+    "cpu-loopback": "this kind of box: 2 CPU cores, gloo over loopback, one thread per rank",
+    "h100x8-nvlink": "8 x H100 SXM on NVLink 4, fp32 without tensor cores",
+    "h100x64-ib400": "64 x H100 (8 nodes) on 400 Gb/s InfiniBand, fp32 without tensor cores",
+}
 
 
 class CLIError(click.ClickException):
@@ -96,6 +107,30 @@ def static_cost_model(config):
 
         return cost.preset(spec)
     return spec
+
+
+def _si(x: float, unit: str) -> str:
+    """360e9, "B/s" -> '360 GB/s' (decimal prefixes, as hardware is specified)."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def describe_hardware(cost_model) -> str:
+    """A `fxzero.cost.CostModel` in words: what it stands for, then its figures."""
+    from fxzero.viz.fmt import human_seconds
+
+    links = {kind: f"{_si(link.bandwidth, 'B/s')} + {human_seconds(link.latency)}"
+             for kind, link in cost_model.links.items()}
+    if len(set(links.values())) == 1:
+        links = {"collectives": next(iter(links.values()))}
+    figures = [_si(cost_model.flops_per_s, "FLOP/s"), f"memory {_si(cost_model.mem_bytes_per_s, 'B/s')}",
+               f"{human_seconds(cost_model.op_overhead_s)} per op", *(f"{k} {v}" for k, v in links.items())]
+    if cost_model.world_size:
+        figures.append(f"over {cost_model.world_size} ranks")
+    described = HARDWARE_DESCRIPTIONS.get(cost_model.name)
+    return (f"{described}; " if described else "") + ", ".join(figures)
 
 
 @dataclasses.dataclass

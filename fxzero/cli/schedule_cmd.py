@@ -6,10 +6,14 @@ import json
 
 import click
 
-from fxzero.cli.common import load_source, reports_errors, trace_options
-from fxzero.timeline import DEFAULT_HARDWARE, HARDWARE, hardware, instruction_times
+from fxzero import cost
+from fxzero.cli.common import DEFAULT_HARDWARE, describe_hardware, load_source, reports_errors, trace_options
 
 __all__ = ["schedule_command"]
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 @click.command("schedule")
@@ -17,23 +21,33 @@ __all__ = ["schedule_command"]
 @trace_options
 @click.option("--json", "as_json", is_flag=True, help="Print the Schedule JSON the runtime executes, nothing else.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a Chrome/Perfetto trace (JSON) of the timeline.")
+              help="Write a Chrome/Perfetto trace (JSON): the timeline recorded by `fxzero train` when "
+                   "DIR has one (a process per rank), else the simulated one.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG plot of gathered and resident memory over the step.")
-@click.option("--simulate", "hw_name", type=click.Choice(sorted(HARDWARE)), default=DEFAULT_HARDWARE,
-              show_default=True, help="Hardware preset the times are estimated for.")
+@click.option("--simulate", "hw_name", type=click.Choice(sorted(cost.PRESETS)), default=DEFAULT_HARDWARE,
+              show_default=True, help="Hardware preset (fxzero.cost.PRESETS) the table's times are simulated for.")
 @click.option("--full", is_flag=True, help="One row per instruction (default: runs of compute folded).")
 def schedule_command(source, world, stage, config_path, inputs, as_json, trace_path, plot_path, hw_name, full):
     """Show the schedule: per stream, in the order the runtime runs it, with bytes and times.
 
-    The summary gives step time, exposed communication, bytes per collective kind and peak
-    memory per rank. Times are estimates for --simulate HARDWARE.
+    Times come from fxzero.cost's simulator for --simulate HARDWARE. The summary gives step
+    time, exposed communication, bytes per collective kind and peak memory per rank; for a
+    directory written by `fxzero train`, also what each rank measured in its last step.
     """
-    from fxzero.viz.table import schedule_table, summary_lines
+    from fxzero.viz.table import recorded_lines, schedule_table, summary_lines
+    from fxzero.viz.timing import recorded, simulated
 
     art = load_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs)
-    hw = hardware(hw_name)
-    times = instruction_times(art.schedule, hw)
+    cost_model = cost.preset(hw_name)
+    sim = simulated(art.schedule, cost_model)
+    with reports_errors():
+        ranks = recorded(art)
+    step = (art.timeline or {}).get("step", "?")
+    if ranks:
+        trace_says = f"the timeline recorded on {_ranks(len(ranks))} (step {step}), a process per rank"
+    else:
+        trace_says = f"the timeline {sim.label}" + ("" if art.run else "; `fxzero train` records real ones")
     if as_json:
         click.echo(art.schedule.dumps())
     else:
@@ -41,17 +55,21 @@ def schedule_command(source, world, stage, config_path, inputs, as_json, trace_p
         click.echo(f"{m.get('model')}: ZeRO-{s.stage} on {s.world_size} ranks, {len(s.units)} units, "
                    f"fingerprint {s.fingerprint}")
         click.echo("")
-        for line in schedule_table(art, times, full=full):
-            click.echo(line)
-        for line in summary_lines(art, times, hw):
+        lines = schedule_table(art, sim, full=full) + summary_lines(art, sim, describe_hardware(cost_model))
+        if ranks:
+            lines += recorded_lines(ranks, step)
+        lines.append(f"trace (--trace): {trace_says}")
+        for line in lines:
             click.echo(line)
     if trace_path:
         from fxzero.viz.chrome_trace import chrome_trace
 
+        trace = (chrome_trace(art, ranks, source="recorded") if ranks
+                 else chrome_trace(art, [sim], source="simulated", hardware=cost_model.name))
         with reports_errors():
             with open(trace_path, "w") as f:
-                json.dump(chrome_trace(art, times, hw), f)
-        click.echo(f"wrote {trace_path} (open it at ui.perfetto.dev or chrome://tracing)", err=as_json)
+                json.dump(trace, f)
+        click.echo(f"wrote {trace_path}: {trace_says} (open it at ui.perfetto.dev or chrome://tracing)", err=as_json)
     if plot_path:
         from fxzero.viz.memplot import memory_plot
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import collections
 from typing import Optional
 
-from fxzero.timeline import Hardware, Times, summarize
 from fxzero.viz.fmt import human_bytes, human_count, human_seconds
 from fxzero.viz.series import memory_series
+from fxzero.viz.timing import Timeline
 
-__all__ = ["schedule_table", "summary_lines"]
+__all__ = ["recorded_lines", "schedule_table", "summary_lines"]
 
 STREAM_ORDER = ("compute", "comm", "io")
 WIDTH = {"compute": 54, "comm": 30, "io": 30}
@@ -43,7 +43,7 @@ def _describe(ins) -> str:
     return ins.name
 
 
-def _rows(program, times: Times, nodes: dict[str, dict], full: bool):
+def _rows(program, times: dict, nodes: dict[str, dict], full: bool):
     """(first index, last index, stream, text, bytes, flops, start, duration) per row."""
     run: list[int] = []
     run_owner: Optional[str] = None
@@ -55,8 +55,8 @@ def _rows(program, times: Times, nodes: dict[str, dict], full: bool):
         counts = collections.Counter(_short(nodes.get(program.instructions[i].name, {}).get("target", "?")) for i in run)
         top = ", ".join(f"{t} x{c}" if c > 1 else t for t, c in counts.most_common(3))
         more = ", ..." if len(counts) > 3 else ""
-        start = times[(program.name, run[0])][0]
-        end = max(times[(program.name, i)][1] for i in run)
+        start = times[(program.name, run[0])].start
+        end = max(times[(program.name, i)].end for i in run)
         text = f"{run_owner}: {len(run)} ops ({top}{more})"
         row = (run[0], run[-1], "compute", text,
                sum(program.instructions[i].bytes for i in run), sum(program.instructions[i].flops for i in run),
@@ -74,15 +74,18 @@ def _rows(program, times: Times, nodes: dict[str, dict], full: bool):
             continue
         if run:
             yield flush()
-        start, end, stream = times[(program.name, i)]
+        e = times[(program.name, i)]
+        start, end, stream = e.start, e.end, e.stream
         text = _describe(ins) if ins.kind != "compute" else f"{ins.name} = {_short(nodes.get(ins.name, {}).get('target', '?'))}"
         yield (i, i, stream, text, ins.bytes if ins.kind not in ("wait", "free") else 0, ins.flops, start, end - start)
     if run:
         yield flush()
 
 
-def schedule_table(art, times: Times, *, full: bool = False) -> list[str]:
-    """Lines of the table: every program, instructions in the order the runtime runs them."""
+def schedule_table(art, timeline: Timeline, *, full: bool = False) -> list[str]:
+    """Lines of the table: every program, instructions in the order the runtime runs them,
+    at the times of `timeline` (which must time every instruction: a simulated one)."""
+    times = timeline.at()
     nodes = {n["name"]: n for n in art.graph["nodes"]}
     streams = [s for s in STREAM_ORDER if any(i.stream == s for p in art.schedule.programs for i in p.instructions)]
     streams += sorted({i.stream for p in art.schedule.programs for i in p.instructions} - set(streams))
@@ -93,8 +96,8 @@ def schedule_table(art, times: Times, *, full: bool = False) -> list[str]:
             lines.append(f"{program.name} program: empty")
             lines.append("")
             continue
-        span = times[(program.name, n - 1)][1] - times[(program.name, 0)][0]
-        lines.append(f"{program.name} program: {n} instructions, {human_seconds(span)} estimated")
+        start, end = timeline.programs[program.name]
+        lines.append(f"{program.name} program: {n} instructions, {human_seconds(end - start)} {timeline.label}")
         header = f"{'#':>9} {'start':>9} {'time':>9}  " + "".join(f"{s:<{WIDTH.get(s, 30)}}" for s in streams) + f"{'bytes':>10} {'flops':>7}"
         lines.append(header)
         for first, last, stream, text, nbytes, flops, start, dur in _rows(program, times, nodes, full):
@@ -108,19 +111,24 @@ def schedule_table(art, times: Times, *, full: bool = False) -> list[str]:
     return lines
 
 
-def summary_lines(art, times: Times, hw: Hardware) -> list[str]:
-    """Step time, exposed communication, bytes per collective kind, peak memory."""
+def summary_lines(art, timeline: Timeline, hardware: str) -> list[str]:
+    """Step time, exposed communication, bytes per collective kind, peak memory.
+
+    Args:
+        timeline: the simulated step (`fxzero.viz.timing.simulated`).
+        hardware: what the simulation is for, in words.
+    """
     s = art.schedule
-    summ = summarize(s, times)
-    progs = summ["programs"]
-    step = summ["step_seconds"]
-    parts = " + ".join(f"{name} {human_seconds(v['end'] - v['start'])}" for name, v in progs.items())
-    busy = ", ".join(f"{k} {human_seconds(v)}" for k, v in summ["busy_seconds"].items())
-    exposed = summ["exposed_comm_seconds"]
+    sim = timeline.sim
+    assert sim is not None, "summary_lines needs a simulated timeline"
+    step = sim.step_seconds
+    parts = " + ".join(f"{name} {human_seconds(end - start)}" for name, (start, end) in timeline.programs.items())
+    exposed = sim.exposed_comm_seconds
     lines = [
-        f"summary (per rank; times estimated for {hw.name}: {hw.description})",
+        f"summary (per rank; times {timeline.label} by fxzero.cost)",
+        f"  hardware           {hardware}",
         f"  step time          {human_seconds(step)} = {parts}",
-        f"  busy               {busy}",
+        f"  busy               compute {human_seconds(sim.compute_seconds)}, comm {human_seconds(sim.comm_seconds)}",
         f"  exposed comm       {human_seconds(exposed)} ({100 * exposed / step if step else 0:.0f}% of the step: compute waiting for collectives)",
     ]
     per_kind: dict[str, dict] = {}
@@ -144,4 +152,21 @@ def summary_lines(art, times: Times, hw: Hardware) -> list[str]:
         + (f" + gathered {human_bytes(mem.gathered[at])} + activations {human_bytes(mem.activations[at])}"
            f" + gradients {human_bytes(mem.gradients[at])}" if at >= 0 else "")
     )
+    return lines
+
+
+def recorded_lines(recorded: list[Timeline], step: object) -> list[str]:
+    """Each rank's recorded step (`fxzero.viz.timing.recorded`): program times and time in waits."""
+    ranks = f"{len(recorded)} rank" + ("s" if len(recorded) != 1 else "")
+    lines = [f"recorded by fxzero train on {ranks} (step {step}, measured per rank):"]
+    for t in recorded:
+        start = min((a for a, _ in t.programs.values()), default=0.0)
+        end = max((b for _, b in t.programs.values()), default=0.0)
+        # Between the programs the step also runs the caller's code (the loss), so the parts
+        # do not add up to the whole.
+        parts = ", ".join(f"{name} {human_seconds(b - a)}" for name, (a, b) in t.programs.items())
+        waits = sum(e.end - e.start for e in t.events if e.kind == "wait")
+        share = f" ({100 * waits / (end - start):.0f}% of the step)" if end > start else ""
+        lines.append(f"  rank {t.rank:<13} {human_seconds(end - start)} ({parts}); waiting for collectives "
+                     f"{human_seconds(waits)}{share}")
     return lines

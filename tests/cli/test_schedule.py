@@ -6,8 +6,9 @@ import json
 import os
 import re
 
+from fxzero import cost
 from fxzero.artifacts import Artifacts
-from fxzero.timeline import HARDWARE
+from fxzero.viz.timing import simulated
 from tests.cli.conftest import invoke
 
 
@@ -50,8 +51,21 @@ def test_trace_has_one_slice_per_instruction_in_program_order(tiny_dir, runner, 
         for i in p.instructions:
             if i.kind == "wait":
                 assert ends[(p.name, i.name)] >= ends[(p.name, i.reads[0])] - 1e-6
-    assert trace["otherData"]["hardware"] == "h100x8-nvlink"
+    assert trace["otherData"]["hardware"] == "h100x8-nvlink" and trace["otherData"]["timeline"] == "simulated"
     assert any(e["ph"] == "C" for e in trace["traceEvents"])
+    # the times are fxzero.cost's simulation, exactly
+    sim = simulated(s, cost.preset("h100x8-nvlink")).at()
+    for e in slices:
+        at = sim[(e["args"]["program"], e["args"]["index"])]
+        assert abs(e["ts"] - at.start * 1e6) < 1e-6 and abs(e["dur"] - (at.end - at.start) * 1e6) < 1e-6
+
+
+def test_summary_says_the_times_are_simulated_and_what_the_trace_holds(tiny_dir, runner):
+    out = invoke(runner, "schedule", tiny_dir, "--simulate", "h100x64-ib400").output
+    assert "summary (per rank; times simulated for h100x64-ib400 by fxzero.cost)" in out
+    assert re.search(r"^  hardware +64 x H100 .*over 64 ranks$", out, re.M), out
+    assert "trace (--trace): the timeline simulated for h100x64-ib400; `fxzero train` records real ones" in out
+    assert "recorded by fxzero train" not in out
 
 
 def test_plot_is_a_png(tiny_dir, runner, tmp_path):
@@ -66,7 +80,7 @@ def test_schedule_of_a_model_spec_and_unknown_hardware(runner):
     out = invoke(runner, "schedule", "cnn", "--world", "2", "--stage", "1").output
     assert "cnn: ZeRO-1 on 2 ranks" in out
     bad = invoke(runner, "schedule", "cnn", "--simulate", "tpu", ok=False)
-    assert bad.exit_code == 2 and all(name in bad.output for name in HARDWARE)
+    assert bad.exit_code == 2 and all(name in bad.output for name in cost.PRESETS)
 
 
 def test_memory_record_follows_the_stage(tiny_dir):
