@@ -86,8 +86,9 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
     """Train MODEL on --ranks local CPU ranks (torchrun) on a synthetic task.
 
     Shows loss, step time and per-rank memory (model states + peak gathered) as it goes, and
-    writes the artifacts of the program that ran (as `fxzero compile` does) plus run.json,
-    for `fxzero graph DIR` and `fxzero schedule DIR --trace t.json`.
+    writes the artifacts of the program that ran (as `fxzero compile` does) plus run.json and
+    the last step's timeline as every rank recorded it, for `fxzero graph DIR` and
+    `fxzero schedule DIR --trace t.json` (a trace with one process per rank).
     """
     with reports_errors():  # a MODEL that does not resolve fails here, before any rank starts
         from fxzero.modelspec import build_model, parse_inputs
@@ -148,5 +149,6 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
             raise CLIError(f"training failed on rank {first['rank']}: {first['message']}")
         tail = [line.strip() for line in stderr_lines if line.strip()]
         raise CLIError(f"torchrun exited with code {rc}: {tail[-1] if tail else 'no output'}")
-    click.echo(f"wrote {done['out']}/ (the artifacts of the program that ran, and run.json)")
+    click.echo(f"wrote {done['out']}/ (the artifacts of the program that ran, run.json, and timeline.json: "
+               "when each instruction of the last step ran, per rank)")
     click.echo(f"next: fxzero schedule {done['out']} --trace {done['out']}/trace.json")
