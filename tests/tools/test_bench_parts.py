@@ -58,6 +58,7 @@ def _system(median: float, rss: float, elements: float, volume: float) -> dict:
     return {
         "median_step_s": median, "peak_rss_mb": rss, "comm_elements_per_step": elements,
         "comm_volume_elements_per_step": volume, "loss_max_abs_dev_vs_ddp": 0.0,
+        "loss_max_rel_dev_vs_ddp": 0.0,
     }
 
 

@@ -21,9 +21,10 @@ from tools.bench.commcount import COUNTED_BY
 __all__ = ["run_line", "system_line", "summary_line"]
 
 MB = 1e6
-# Loss agreement: every system trains the same fp32 model on the same data; ANCHORS.md saw
-# agreement to 5e-6. Differences in reduction order (bucketing, sharding) stay far below this.
-LOSS_TOLERANCE = 1e-4
+# Loss agreement, relative to DDP's loss: every system trains the same fp32 model on the same
+# data, so only the order of reductions (bucketing, sharding, a fused Adam) differs. Measured:
+# up to 6e-8 on the 25M model, 3.4e-6 on GPT-2's shape (DeepSpeed, loss ~104 at init).
+LOSS_TOLERANCE = 1e-5
 TARGETS = {"step_vs_fsdp2": 0.9, "step_vs_ds_zero3": 0.8, "peak_rss_vs_fsdp2": 1.0, "comm_vs_3phi": 0.01, "predicted_vs_measured": 0.2}
 
 
@@ -141,8 +142,9 @@ def system_line(
         if key in first:
             line[key] = first[key]
     if reference is not None and reference.get("losses"):
-        n = min(len(reference["losses"]), len(line["losses"]))
-        line["loss_max_abs_dev_vs_ddp"] = max(abs(a - b) for a, b in zip(line["losses"][:n], reference["losses"][:n]))
+        pairs = list(zip(line["losses"], reference["losses"]))
+        line["loss_max_abs_dev_vs_ddp"] = max(abs(a - b) for a, b in pairs)
+        line["loss_max_rel_dev_vs_ddp"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     return line
 
 
@@ -183,6 +185,7 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
             t["met"]["predicted_vs_measured"] = abs(t["predicted_vs_measured"] - 1) <= TARGETS["predicted_vs_measured"]
         targets[name] = t
     devs = {n: s["loss_max_abs_dev_vs_ddp"] for n, s in systems.items() if "loss_max_abs_dev_vs_ddp" in s}
+    rel = {n: s["loss_max_rel_dev_vs_ddp"] for n, s in systems.items() if "loss_max_rel_dev_vs_ddp" in s}
     return {
         "event": "summary",
         "model": model,
@@ -201,8 +204,9 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         "comm_elements_per_step": {n: s.get("comm_elements_per_step") for n, s in systems.items()},
         "loss_max_abs_dev_vs_ddp": devs,
         "max_loss_dev_vs_ddp": max(devs.values(), default=None),
-        "losses_agree": all(d <= LOSS_TOLERANCE for d in devs.values()) if devs else None,
-        "loss_tolerance": LOSS_TOLERANCE,
+        "loss_max_rel_dev_vs_ddp": rel,
+        "losses_agree": all(d <= LOSS_TOLERANCE for d in rel.values()) if rel else None,
+        "loss_tolerance": f"{LOSS_TOLERANCE:g} relative to DDP's loss, at every step",
         "unavailable": unavailable,
         "failed": sorted(n for n, s in systems.items() if "median_step_s" not in s),
     }
