@@ -15,13 +15,14 @@ import torch.nn as nn
 
 from fxzero import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
 from fxzero.compiler import CompiledProgram, compile_program
-from fxzero.config import AdamW, Config, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config import AdamW, Bucket, Config, LinkEmulation, Prefetch, UnitsPolicy
 from fxzero.runtime.engine import Engine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdamW",
+    "Bucket",
     "CompiledProgram",
     "Config",
     "Engine",

@@ -19,9 +19,9 @@ from fxzero.passes.runner import PassContext, PassRecord, run_pipeline
 from fxzero.passes.split import Program
 from fxzero.schedule import Schedule, build_schedule
 from fxzero.trace import JointSignature, trace_joint
-from fxzero.units import UnitLayout, plan_units
+from fxzero.units import UnitLayout, bucket_units, plan_units
 
-__all__ = ["CompiledProgram", "compile_program"]
+__all__ = ["CompiledProgram", "compile_program", "plan_layouts"]
 
 
 @dataclasses.dataclass
@@ -36,6 +36,22 @@ class CompiledProgram:
     pass_trace: list[PassRecord]
     joint: torch.fx.GraphModule
     """The rewritten joint graph, for viewing."""
+
+
+def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None) -> list[UnitLayout]:
+    """Units (by the config's policy), then buckets of small units where the config asks."""
+    layouts = plan_units(model, config.units, world_size)
+    if config.bucket is None:
+        return layouts
+    max_bytes = config.bucket.max_bytes
+    if max_bytes is None:
+        if cost_model is None:
+            raise ValueError(
+                "Config.bucket without max_bytes sizes buckets from the cost model, and there is "
+                "none: set Bucket(max_bytes=...) or give a cost model (Config.cost_model)"
+            )
+        max_bytes = cost_model.latency_bound_bytes()
+    return bucket_units(layouts, max_bytes=max_bytes)
 
 
 def compile_program(
@@ -54,7 +70,7 @@ def compile_program(
             None keeps the native ones.
     """
     if layouts is None:
-        layouts = plan_units(model, config.units, world_size)
+        layouts = plan_layouts(model, config, world_size, cost_model)
     traced = trace_joint(model, example_inputs)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch.nn as nn
 
-__all__ = ["AdamW", "Config", "LinkEmulation", "Prefetch", "UnitsPolicy"]
+__all__ = ["AdamW", "Bucket", "Config", "LinkEmulation", "Prefetch", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +102,24 @@ class Prefetch:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """Merge adjacent small units into one flat buffer, so one collective moves them all.
+
+    Worth it where messages are latency-bound: by default a bucket holds up to the link's
+    latency-bandwidth product (from the cost model), below which a collective's time is mostly
+    latency. Units are merged before anything is materialized; the buckets are the units the
+    schedule shows.
+    """
+
+    max_bytes: Optional[int] = None
+    """Largest bucket; None: the cost model's all-gather latency x bandwidth."""
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError(f"Bucket.max_bytes must be positive, got {self.max_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkEmulation:
     """Make collectives complete as if the link had this bandwidth and latency.
 
@@ -138,6 +156,8 @@ class Config:
     persist_threshold: int = 0
     """ZeRO-3: units with fewer parameters than this stay gathered for the whole step (like
     stage3_param_persistence_threshold): no per-layer gathers, re-gathered after the step."""
+    bucket: Optional[Bucket] = None
+    """Merge adjacent small units into buckets (off by default: units are the buckets)."""
     link_emulation: Optional[LinkEmulation] = None
     """Emulate a slower link for every collective (for studying overlap on one box)."""
     cost_model: Any = "measure"

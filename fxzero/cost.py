@@ -67,6 +67,11 @@ class CostModel:
             raise ValueError(f"cost model {self.name!r} has no link for {kind!r}; add one to links=")
         return link.seconds(nbytes, self.world_size or world_size)
 
+    def latency_bound_bytes(self, kind: str = "all_gather") -> int:
+        """Message size below which a collective's time is mostly latency (latency x bandwidth)."""
+        link = self.links[kind]
+        return int(link.latency * link.bandwidth)
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         return d

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from fxzero.config import UnitsPolicy
 
-__all__ = ["ParamSlot", "UnitLayout", "plan_units", "unique_parameters"]
+__all__ = ["ParamSlot", "UnitLayout", "bucket_units", "plan_units", "unique_parameters"]
 
 ROOT = "root"
 FROZEN_SUFFIX = ":frozen"
@@ -191,6 +191,53 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[U
             unit_name = name if trainable else name + FROZEN_SUFFIX
             layouts.append(UnitLayout(unit_name, tuple(slots), dtypes.pop(), world_size, trainable))
     return layouts
+
+
+def _merge(run: list[UnitLayout]) -> UnitLayout:
+    slots, offset = [], 0
+    for layout in run:
+        for s in layout.slots:
+            slots.append(ParamSlot(s.fqn, s.shape, offset, s.numel))
+            offset += s.numel
+    first = run[0]
+    return UnitLayout("+".join(u.name for u in run), tuple(slots), first.dtype, first.world_size, first.trainable)
+
+
+def bucket_units(layouts: list[UnitLayout], *, max_bytes: int) -> list[UnitLayout]:
+    """Merge runs of adjacent small units into buckets of at most `max_bytes` each.
+
+    A unit of fewer than `max_bytes` bytes joins the bucket before it when both are trained
+    (or both frozen), share a dtype and fit together; a bucket is one flat buffer, so its units
+    are gathered and reduced by one collective each. The order of units, and so the order of
+    collectives, is kept. A bucket is named after its units: "blocks.0+blocks.1".
+    """
+    out: list[UnitLayout] = []
+    run: list[UnitLayout] = []
+
+    def nbytes(units: list[UnitLayout]) -> int:
+        return sum(u.numel * u.itemsize for u in units)
+
+    def flush() -> None:
+        if run:
+            out.append(_merge(run) if len(run) > 1 else run[0])
+            run.clear()
+
+    for layout in layouts:
+        small = layout.numel * layout.itemsize < max_bytes
+        fits = (
+            run
+            and run[-1].trainable == layout.trainable
+            and run[-1].dtype == layout.dtype
+            and nbytes(run) + layout.numel * layout.itemsize <= max_bytes
+        )
+        if not (small and fits):
+            flush()
+        if small:
+            run.append(layout)
+        else:
+            out.append(layout)
+    flush()
+    return out
 
 
 def iter_slots(layouts: list[UnitLayout]) -> Iterator[tuple[UnitLayout, ParamSlot]]:

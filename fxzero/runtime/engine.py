@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxzero import cost
-from fxzero.compiler import CompiledProgram, compile_program
+from fxzero.compiler import CompiledProgram, compile_program, plan_layouts
 from fxzero.passes import persistent_units
 from fxzero.config import Config
 from fxzero.runtime.comm import Comm, make_comm
@@ -32,7 +32,6 @@ from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.materialize import materialize
 from fxzero.runtime.optim import AdamWState, adamw_step
 from fxzero.schedule import check_fingerprints
-from fxzero.units import plan_units
 
 __all__ = ["Engine"]
 
@@ -106,7 +105,8 @@ class Engine:
         self.comm = make_comm(config.link_emulation)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._model = model
-        self.layouts = plan_units(model, config.units, self.world_size)
+        self.cost_model = self._resolve_cost_model(config.cost_model)
+        self.layouts = plan_layouts(model, config, self.world_size, self.cost_model)
         self.num_params = sum(layout.numel for layout in self.layouts)
         self._whole = persistent_units(config, self.layouts)  # units held whole, not sharded
         self._params, self._buffers = materialize(
@@ -117,7 +117,6 @@ class Engine:
         self._cache: dict[Any, _Compiled] = {}
         self._gathered = GatheredMemory()
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
-        self.cost_model = self._resolve_cost_model(config.cost_model)
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[_Compiled] = None
 
