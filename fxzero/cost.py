@@ -52,6 +52,10 @@ class CostModel:
     """Per collective kind: all_gather, reduce_scatter, all_reduce."""
     world_size: Optional[int] = None
     """Ranks the collectives run over; None: the schedule's own world size."""
+    comm_interference: float = 0.0
+    """How much a running collective slows this rank's compute: compute overlapping one
+    second of communication takes this many seconds longer. Near 0 where a DMA engine moves
+    the bytes (NVLink, RDMA); large on CPU backends, whose transfers are copies by the CPU."""
 
     def compute_seconds(self, ins: Instruction) -> float:
         if ins.kind == "optim_step":
@@ -98,6 +102,7 @@ PRESETS: dict[str, CostModel] = {
     # This kind of machine: 2 vCPU, gloo over loopback, one thread per rank (shared/ANCHORS.md).
     "cpu-loopback": CostModel(
         name="cpu-loopback", flops_per_s=90e9, mem_bytes_per_s=_gbps(5), op_overhead_s=25e-6,
+        comm_interference=0.5,
         links={
             "all_gather": Link(bandwidth=_gbps(1.2), latency=1e-4),
             "reduce_scatter": Link(bandwidth=_gbps(0.8), latency=1e-4),
@@ -174,6 +179,9 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
                 begin = max(clock["compute"], ready)
                 duration = cost.compute_seconds(ins)
                 stream = "compute"
+                # Communication in flight while this op computes takes part of its CPU.
+                overlap = max(0.0, min(clock["comm"], begin + duration) - begin)
+                duration += cost.comm_interference * overlap
                 if waited is not None:
                     collective_end = end.get(waited, begin)
                     if collective_end > begin:
@@ -209,7 +217,17 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
-def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 14, 1 << 21), name: str = "measured") -> CostModel:
+def _fit(points: list[tuple[float, float]]) -> Link:
+    """latency + bytes / bandwidth through (bytes, seconds) points: latency from the smallest
+    message, bandwidth from the largest (the slope between them; timing noise cannot make it
+    faster than the largest message alone allows)."""
+    (x0, t0), (x1, t1) = points[0], points[-1]
+    latency = t0
+    bandwidth = (x1 - x0) / (t1 - t0) if t1 - t0 > 0.1 * t1 else x1 / t1
+    return Link(bandwidth=bandwidth, latency=latency)
+
+
+def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 12, 1 << 23), name: str = "measured") -> CostModel:
     """Measure this machine: matmul rate, memory bandwidth, op overhead, and (given a Comm of
     a process group) an all-gather / reduce-scatter / all-reduce sweep fit to latency + bytes/bw.
 
@@ -239,9 +257,32 @@ def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 14, 1 << 21), name: s
                 else:
                     op = lambda: comm.all_reduce(flat, count=False).wait()  # noqa: E731
                 points.append((size * 4 * (world - 1) / world, _time(op, 2)))
-            (x0, t0), (x1, t1) = points[0], points[-1]
-            bandwidth = (x1 - x0) / max(t1 - t0, 1e-9)
-            links[kind] = Link(bandwidth=bandwidth, latency=max(t0 - x0 / bandwidth, 0.0))
+            links[kind] = _fit(points)
+        interference = _interference(comm, links["all_gather"], lambda: a @ b)
     else:
         links = dict(PRESETS["cpu-loopback"].links)
-    return CostModel(name=name, flops_per_s=flops, mem_bytes_per_s=mem, op_overhead_s=overhead, links=links)
+        interference = PRESETS["cpu-loopback"].comm_interference
+    return CostModel(
+        name=name, flops_per_s=flops, mem_bytes_per_s=mem, op_overhead_s=overhead, links=links,
+        comm_interference=interference,
+    )
+
+
+def _interference(comm, link: Link, matmul) -> float:
+    """How much an all-gather in flight slows matmuls on this rank (see CostModel)."""
+    world = comm.world_size
+    flat = torch.ones(1 << 22)
+    shard = torch.ones((1 << 22) // world)
+    gather_s = link.seconds(flat.numel() * 4, world)
+    per_matmul = _time(matmul, 2)
+    count = max(1, round(gather_s / per_matmul))
+    alone = _time(lambda: [matmul() for _ in range(count)], 2)
+    comm.all_gather(flat, shard, count=False).wait()  # warm, and line the ranks up
+    pending = comm.all_gather(flat, shard, count=False)
+    start = time.perf_counter()
+    for _ in range(count):
+        matmul()
+    with_comm = time.perf_counter() - start
+    pending.wait()
+    overlap = min(gather_s, with_comm)
+    return min(max((with_comm - alone) / max(overlap, 1e-9), 0.0), 2.0)
