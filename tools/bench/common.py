@@ -47,6 +47,27 @@ class Trainer(Protocol):
         """Anything system-specific for the JSON line (own traffic counters, memory, ...)."""
 
 
+class EagerTrainer:
+    """A module wrapped by a PyTorch system (DDP, FSDP2) and a torch.optim AdamW: the plain
+    training step those systems share. Subclasses set `self.model` and `self.optimizer`."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def reset_counters(self) -> None:
+        pass
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
 def build_model(spec: RunSpec, device: Optional[str] = None) -> nn.Module:
     """The benchmark's GPT under `torch.manual_seed(spec.seed)`; eager unless device="meta"."""
     from fxzero.zoo import gpt

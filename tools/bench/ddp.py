@@ -15,28 +15,18 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from tools.bench.commcount import CommCounter
-from tools.bench.common import build_model, lm_loss, make_optimizer
+from tools.bench.common import EagerTrainer, build_model, make_optimizer
 from tools.bench.spec import RunSpec
 
 COUNTED_BY = "DDP comm hook around torch's default allreduce_hook: one all_reduce per bucket"
 
 
-class DDPTrainer:
+class DDPTrainer(EagerTrainer):
     def __init__(self, spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> None:
         model = build_model(spec)
         self.model = DistributedDataParallel(model, **options)
         self.model.register_comm_hook(counter, _counting_allreduce_hook)
         self.optimizer = make_optimizer(spec, self.model.parameters())
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = lm_loss(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def reset_counters(self) -> None:
-        pass
 
     def report(self) -> dict[str, Any]:
         return {"comm_counted_by": COUNTED_BY}

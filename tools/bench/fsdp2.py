@@ -13,11 +13,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tools.bench.commcount import CommCounter
-from tools.bench.common import build_model, lm_loss, make_optimizer
+from tools.bench.common import EagerTrainer, build_model, make_optimizer
 from tools.bench.spec import RunSpec
 
 
-class FSDP2Trainer:
+class FSDP2Trainer(EagerTrainer):
     def __init__(self, spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> None:
         model = build_model(spec)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -26,19 +26,6 @@ class FSDP2Trainer:
         fully_shard(model, mesh=mesh, **options)
         self.model = model
         self.optimizer = make_optimizer(spec, model.parameters())
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = lm_loss(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def reset_counters(self) -> None:
-        pass
-
-    def report(self) -> dict[str, Any]:
-        return {}
 
 
 def setup(spec: RunSpec, counter: CommCounter, options: dict[str, Any]) -> FSDP2Trainer:
