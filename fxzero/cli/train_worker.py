@@ -86,17 +86,6 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _compiled_program(engine):
-    """The `CompiledProgram` the engine ran last: its graph, pass trace and schedule.
-
-    The Engine has no public accessor for it, so this reaches into `engine._last` (the
-    input signature it ran last); it is the one place that does, so an accessor added to the
-    Engine later replaces this body only. Recording what the engine holds, instead of
-    compiling again, is what makes the artifacts those of the program that ran.
-    """
-    return engine._last.compiled
-
-
 def train(args: argparse.Namespace, rank: int, world: int) -> None:
     import fxzero
     from fxzero.artifacts import record
@@ -175,7 +164,7 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
         return
     recorded_specs = [InputSpec(s.dtype, tuple(x.shape), s.low, s.high) for s, x in zip(specs, batch_inputs)]
     # compile_seconds of a train: the engine's first call, which compiles and runs one forward.
-    art = record(_compiled_program(engine), model=args.model, inputs=recorded_specs, config=config,
+    art = record(engine.program, model=args.model, inputs=recorded_specs, config=config,
                  seconds=first_call_seconds, command="train")
     art.run = {"task": task.name if task else None, "steps": steps, "spans": [s for r, _ in per_rank for s in r],
                "comm_last_step": engine.comm_report()}

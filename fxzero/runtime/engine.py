@@ -146,11 +146,17 @@ class Engine:
         return self._cache[key]
 
     @property
-    def schedule(self):
-        """The schedule of the most recently run input signature."""
+    def program(self) -> CompiledProgram:
+        """What the compiler produced for the most recently run input signature: the rewritten
+        graph, the pass trace, the programs and the schedule that ran."""
         if self._last is None:
             raise RuntimeError("no program has run yet: call the engine on an input first")
-        return self._last.compiled.schedule
+        return self._last.compiled
+
+    @property
+    def schedule(self):
+        """The schedule of the most recently run input signature."""
+        return self.program.schedule
 
     # -- forward / backward ----------------------------------------------------------------
 
