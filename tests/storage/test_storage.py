@@ -1,0 +1,299 @@
+"""Storage tiers: round trips, concurrency, counters, integrity and the errors before use."""
+
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+from fxzero.runtime import storage
+from fxzero.runtime.storage import ALIGN, CpuTier, DeviceTier, NvmeTier
+
+# Sizes around the alignment and the staging block (block_bytes=8192 below): empty, one element,
+# not a multiple of 4096, exactly one block, and several blocks with a ragged tail.
+SIZES = [0, 1, 1000, 1023, 2048, 5000, 3 * 4096 + 7]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
+
+
+def _tensor(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(0, 100, (numel,), generator=g).to(dtype)
+
+
+def _tiers(tmp_path, **nvme):
+    return {
+        "device": DeviceTier(),
+        "cpu": CpuTier(),
+        "nvme": NvmeTier(tmp_path, threads=4, block_bytes=8192, **nvme),
+    }
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    with NvmeTier(tmp_path, threads=4, block_bytes=8192) as tier:
+        yield tier
+
+
+def _corrupt(tier: NvmeTier, key: str, how: str) -> None:
+    path = tier.file(key)
+    if how == "truncate":
+        os.truncate(path, os.path.getsize(path) - ALIGN)
+    elif how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(ALIGN + 17)
+            b = f.read(1)
+            f.seek(ALIGN + 17)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "delete":
+        os.unlink(path)
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip(tmp_path, which, dtype):
+    tier = _tiers(tmp_path)[which]
+    try:
+        for i, numel in enumerate(SIZES):
+            x = _tensor(numel, dtype, seed=i)
+            key = f"optim/blocks.{i}/exp_avg"
+            assert tier.write(key, x).wait() is x
+            assert tier.nbytes(key) == numel * x.element_size()
+            got = tier.read(key).wait()
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got.cpu(), x)
+            out = torch.full_like(x, 7)
+            assert tier.read(key, out).wait() is out
+            assert torch.equal(out, x)
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("which", ["device", "cpu", "nvme"])
+def test_shape_kept_overwrite_and_delete(tmp_path, which):
+    tier = _tiers(tmp_path)[which]
+    x = _tensor(6 * 7, torch.float32).view(6, 7)
+    tier.write("w", x).wait()
+    assert tier.read("w").wait().shape == (6, 7)
+    y = _tensor(100, torch.bfloat16, seed=3)
+    tier.write("w", y).wait()  # a key rewritten with another size and dtype
+    assert torch.equal(tier.read("w").wait().cpu(), y)
+    tier.delete("w")
+    assert "w" not in tier
+    with pytest.raises(KeyError, match="no key 'w'"):
+        tier.read("w")
+    if which == "nvme":
+        assert not os.path.exists(tier.file("w"))
+    tier.close()
+
+
+def test_read_out_mismatch_is_a_value_error(nvme):
+    nvme.write("k", torch.zeros(10)).wait()
+    with pytest.raises(ValueError, match="out is torch.float32 with 9 elements"):
+        nvme.read("k", torch.empty(9)).wait()
+
+
+def test_keys_map_to_distinct_files(nvme):
+    a, b = nvme.file("a/b"), nvme.file("a%2Fb")
+    assert a != b and os.path.dirname(a) == nvme.path
+    nvme.write("a/b", torch.ones(3)).wait()
+    nvme.write("a%2Fb", torch.zeros(3)).wait()
+    assert torch.equal(nvme.read("a/b").wait(), torch.ones(3))
+
+
+# -- concurrency and ordering --------------------------------------------------------------------
+
+
+def test_many_in_flight(tmp_path):
+    with NvmeTier(tmp_path, threads=4, block_bytes=8192) as tier:
+        xs = {f"p/{i}": _tensor(1000 + 997 * i, torch.float32, seed=i) for i in range(32)}
+        writes = [tier.write(k, x) for k, x in xs.items()]
+        # Reads issued before the writes finish still see the written value (ordering per key).
+        reads = {k: tier.read(k) for k in xs}
+        for w in writes:
+            w.wait()
+        for k, r in reads.items():
+            assert torch.equal(r.wait(), xs[k])
+
+
+def test_same_key_operations_run_in_order(nvme):
+    pendings = []
+    for i in range(10):
+        pendings.append(nvme.write("k", torch.full((5000,), float(i))))
+        pendings.append(nvme.read("k"))
+    for i in range(10):
+        pendings[2 * i].wait()
+        assert torch.equal(pendings[2 * i + 1].wait(), torch.full((5000,), float(i)))
+
+
+# -- counters ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["device", "cpu", "nvme"])
+def test_report_counts_bytes(tmp_path, which):
+    tier = _tiers(tmp_path)[which]
+    x, y = _tensor(1000, torch.float32), _tensor(5000, torch.bfloat16)
+    tier.write("x", x).wait()
+    tier.write("y", y).wait()
+    tier.read("x").wait()
+    r = tier.report(reset=True)
+    assert r["tier"] == which
+    assert r["write"]["calls"] == 2 and r["write"]["bytes"] == 4000 + 10000
+    assert r["read"]["calls"] == 1 and r["read"]["bytes"] == 4000
+    assert r["write"]["seconds"] > 0 and r["write"]["GBps"] > 0
+    assert tier.report()["read"] == {"calls": 0, "bytes": 0, "seconds": 0.0, "GBps": 0.0}
+    tier.close()
+
+
+# -- integrity -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", ["auto", False])
+@pytest.mark.parametrize("how,match", [
+    ("truncate", r"expected \d+ bytes on disk .*got \d+"),
+    ("flip", r"checksum mismatch: expected crc32 0x[0-9a-f]+, got 0x[0-9a-f]+"),
+    ("delete", "file is missing"),
+])
+def test_corruption_is_detected(tmp_path, direct, how, match):
+    with NvmeTier(tmp_path, block_bytes=8192, direct=direct) as tier:
+        tier.write("optim/blocks.3/exp_avg", _tensor(5000, torch.float32)).wait()
+        _corrupt(tier, "optim/blocks.3/exp_avg", how)
+        with pytest.raises(IOError, match=match) as info:
+            tier.read("optim/blocks.3/exp_avg").wait()
+        msg = str(info.value)
+        assert "'optim/blocks.3/exp_avg'" in msg and tier.file("optim/blocks.3/exp_avg") in msg
+        assert msg.startswith("[rank 0]")
+
+
+def test_rewritten_header_is_detected(nvme):
+    # Same size on disk, but another key's file copied over this one: the header disagrees.
+    nvme.write("a", _tensor(100, torch.float32, seed=1)).wait()
+    nvme.write("b", _tensor(100, torch.float32, seed=2)).wait()
+    shutil.copyfile(nvme.file("b"), nvme.file("a"))
+    with pytest.raises(IOError, match="key 'a'.*header says float32, 400 bytes"):
+        nvme.read("a").wait()
+
+
+# -- errors before use ---------------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; create it"):
+        NvmeTier(tmp_path / "nope")
+
+
+def test_not_a_directory(tmp_path):
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a directory"):
+        NvmeTier(tmp_path / "f")
+
+
+def test_unwritable_directory(tmp_path, monkeypatch):
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    # The probe file is created with open() inside the module; refuse it as a read-only dir would.
+    monkeypatch.setattr(storage, "open", refuse, raising=False)
+    with pytest.raises(ValueError, match=r"is not writable \(Permission denied\); fix its permissions"):
+        NvmeTier(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_unwritable_directory_for_real(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="is not writable"):
+            NvmeTier(ro)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_impossible_reserve(nvme):
+    free = shutil.disk_usage(nvme.path).free
+    nvme.reserve(1 << 20)
+    with pytest.raises(ValueError) as info:
+        nvme.reserve(free * 2 + (1 << 40))
+    msg = str(info.value)
+    assert nvme.path in msg and str(free * 2 + (1 << 40)) in msg and "free" in msg
+    assert "larger disk" in msg
+
+
+def test_memory_tier_reserve():
+    CpuTier().reserve(1)
+    with pytest.raises(ValueError, match="bytes needed on cpu"):
+        CpuTier().reserve(1 << 60)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="block_bytes=1000"):
+        NvmeTier(tmp_path, block_bytes=1000)
+    with pytest.raises(ValueError, match="threads=0"):
+        NvmeTier(tmp_path, threads=0)
+    with pytest.raises(ValueError, match="direct='yes'"):
+        NvmeTier(tmp_path, direct="yes")
+
+
+# -- O_DIRECT and its fallback -------------------------------------------------------------------
+
+
+def _refuse_direct(monkeypatch):
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+
+def test_direct_false_is_buffered(tmp_path):
+    with NvmeTier(tmp_path, direct=False) as tier:
+        assert tier.direct is False and tier.direct_fallback is None
+        x = _tensor(5000, torch.bfloat16)
+        tier.write("k", x).wait()
+        assert torch.equal(tier.read("k").wait(), x)
+        assert tier.report()["direct"] is False
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_auto_falls_back_when_filesystem_refuses(tmp_path, monkeypatch):
+    _refuse_direct(monkeypatch)
+    with NvmeTier(tmp_path, block_bytes=8192) as tier:
+        assert tier.direct is False
+        assert "O_DIRECT refused" in tier.direct_fallback and "Invalid argument" in tier.direct_fallback
+        assert tier.report()["direct_fallback"] == tier.direct_fallback
+        x = _tensor(3 * 4096 + 7, torch.float32)
+        tier.write("k", x).wait()
+        assert torch.equal(tier.read("k").wait(), x)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_true_refused_is_an_error(tmp_path, monkeypatch):
+    _refuse_direct(monkeypatch)
+    with pytest.raises(ValueError, match="direct=True.*use direct='auto'"):
+        NvmeTier(tmp_path, direct=True)
+
+
+def test_files_are_padded_to_the_alignment(nvme):
+    nvme.write("k", torch.zeros(1001, dtype=torch.uint8)).wait()
+    assert os.path.getsize(nvme.file("k")) == ALIGN + ALIGN  # header block + one padded data block
+    assert nvme.nbytes("k") == 1001
+
+
+def test_auto_says_whether_direct_is_used(nvme):
+    # Either O_DIRECT is on, or the reason it is not is recorded (tmpfs refuses it, ext4 takes it).
+    assert nvme.direct is True and nvme.direct_fallback is None or (
+        nvme.direct is False and nvme.direct_fallback)
+
+
+def test_staging_buffers_are_aligned():
+    buf = storage._aligned_buffer(8192)
+    assert buf.tensor.data_ptr() % ALIGN == 0 and len(buf.view) == 8192
