@@ -297,3 +297,31 @@ def test_auto_says_whether_direct_is_used(nvme):
 def test_staging_buffers_are_aligned():
     buf = storage._aligned_buffer(8192)
     assert buf.tensor.data_ptr() % ALIGN == 0 and len(buf.view) == 8192
+
+
+def test_failed_write_forgets_the_key(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    with NvmeTier(d, direct=False) as tier:
+        tier.write("k", torch.ones(10)).wait()
+        shutil.rmtree(d)  # the disk went away underneath
+        with pytest.raises(FileNotFoundError):
+            tier.write("k", torch.zeros(10)).wait()
+        with pytest.raises(KeyError, match="no key 'k'"):
+            tier.read("k")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_through_every_tier(tmp_path):
+    assert DeviceTier().device.type == "cuda"
+    assert CpuTier().pin is True
+    for name, tier in _tiers(tmp_path).items():
+        x = _tensor(3 * 4096 + 7, torch.bfloat16).cuda()
+        tier.write("k", x).wait()
+        out = torch.empty_like(x)
+        assert torch.equal(tier.read("k", out).wait(), x), name
+        if name == "cpu":
+            assert tier._store["k"].is_pinned()
+        if name == "device":
+            assert tier.read("k").wait().is_cuda
+        tier.close()
