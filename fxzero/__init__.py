@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from fxzero import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
 from fxzero.compiler import CompiledProgram, compile_program
-from fxzero.config import AdamW, Bucket, Config, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config import AdamW, Bucket, Config, Cpu, Device, LinkEmulation, Nvme, Offload, Prefetch, UnitsPolicy
 from fxzero.runtime.engine import Engine
 
 __version__ = "0.1.0"
@@ -25,8 +25,12 @@ __all__ = [
     "Bucket",
     "CompiledProgram",
     "Config",
+    "Cpu",
+    "Device",
     "Engine",
     "LinkEmulation",
+    "Nvme",
+    "Offload",
     "Prefetch",
     "UnitsPolicy",
     "compile",

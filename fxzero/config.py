@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch.nn as nn
 
-__all__ = ["AdamW", "Bucket", "Config", "LinkEmulation", "Prefetch", "UnitsPolicy"]
+__all__ = ["AdamW", "Bucket", "Config", "Cpu", "Device", "LinkEmulation", "Nvme", "Offload", "Prefetch", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +139,122 @@ class LinkEmulation:
             raise ValueError(f"LinkEmulation.latency must be >= 0 s, got {self.latency}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Placement: accelerator memory (host memory on a machine without one). The default."""
+
+    tier = "device"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cpu:
+    """Placement: host memory, pinned when CUDA is present (like DeepSpeed's device "cpu")."""
+
+    tier = "cpu"
+    pin_memory: bool = True
+    """Pin the host buffers (only matters with CUDA: pinned copies can be asynchronous)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Nvme:
+    """Placement: files under `path` on a fast disk (ZeRO-Infinity; DeepSpeed's device "nvme").
+
+    Each rank writes its own subdirectory `path/fxzero-rank<N>-<pid>`, removed by
+    `engine.close()` (or at exit). Reads and writes are asynchronous, on `threads` I/O workers,
+    through aligned staging buffers with O_DIRECT where the filesystem allows it.
+    """
+
+    tier = "nvme"
+    path: str
+    """An existing, writable directory (DeepSpeed's nvme_path)."""
+    threads: int = 4
+    """I/O operations in flight at once (DeepSpeed's buffer_count plays this part)."""
+    block_bytes: int = 1 << 20
+    """Bytes per read or write call, a multiple of 4096."""
+    direct: Union[bool, Literal["auto"]] = "auto"
+    """O_DIRECT: "auto" falls back to buffered I/O where the filesystem refuses it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ValueError("Nvme.path must name a directory, e.g. Nvme(path='/local_nvme')")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if self.threads < 1:
+            raise ValueError(f"Nvme.threads must be >= 1, got {self.threads}")
+        if self.block_bytes < 4096 or self.block_bytes % 4096:
+            raise ValueError(f"Nvme.block_bytes must be a positive multiple of 4096, got {self.block_bytes}")
+
+
+Placement = Union[Device, Cpu, Nvme]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Where each kind of model state lives between its uses (ZeRO-Offload / ZeRO-Infinity).
+
+    The offload pass turns this into schedule nodes: each unit's state is fetched from its tier
+    ahead of its use (a parameter shard before the unit's all-gather, optimizer states before
+    the unit's step) and written back or released after its last use, on the "io" stream.
+    Training is fp32, so the parameter shards are the fp32 masters: `params` places both.
+    """
+
+    params: Placement = Device()
+    """This rank's parameter shards (ZeRO-3 only: at stages 1-2 parameters are held whole)."""
+    optimizer: Placement = Device()
+    """AdamW's exp_avg and exp_avg_sq for this rank's shard."""
+    grads: Optional[Placement] = None
+    """Reduced gradient shards between backward and step; None: where the optimizer states are
+    (as DeepSpeed keeps gradients with an offloaded optimizer)."""
+    lookahead: int = 1
+    """Optimizer step: units whose states are fetched ahead of the one being updated."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "optimizer", "grads"):
+            value = getattr(self, name)
+            if value is None and name == "grads":
+                continue
+            if not isinstance(value, (Device, Cpu, Nvme)):
+                raise TypeError(
+                    f"Offload.{name} must be fxzero.Device(), fxzero.Cpu() or fxzero.Nvme(path=...), "
+                    f"got {value!r}"
+                )
+        if self.lookahead < 0:
+            raise ValueError(f"Offload.lookahead must be >= 0 units, got {self.lookahead}")
+
+    @property
+    def grads_placement(self) -> Placement:
+        return self.optimizer if self.grads is None else self.grads
+
+    def placement(self, kind: str) -> Placement:
+        """Placement of a state kind: "param", "grad", "exp_avg" or "exp_avg_sq"."""
+        if kind == "param":
+            return self.params
+        if kind == "grad":
+            return self.grads_placement
+        if kind in ("exp_avg", "exp_avg_sq"):
+            return self.optimizer
+        raise ValueError(f"unknown state kind {kind!r}")
+
+    def offloaded(self, kind: str) -> bool:
+        return not isinstance(self.placement(kind), Device)
+
+    @property
+    def any(self) -> bool:
+        return any(self.offloaded(k) for k in ("param", "grad", "exp_avg"))
+
+
+def _placement_from_deepspeed(section: dict[str, Any], key: str) -> Placement:
+    device = str(section.get("device", "none")).lower()
+    if device in ("none", ""):
+        return Device()
+    if device == "cpu":
+        return Cpu(pin_memory=bool(section.get("pin_memory", True)))
+    if device == "nvme":
+        if not section.get("nvme_path"):
+            raise ValueError(f'zero_optimization.{key}: device "nvme" needs "nvme_path" (a directory on the disk)')
+        return Nvme(path=section["nvme_path"], threads=int(section.get("buffer_count", 4)))
+    raise ValueError(f'zero_optimization.{key}.device must be "none", "cpu" or "nvme", got {device!r}')
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything `fxzero.compile` needs besides the model."""
@@ -160,6 +276,8 @@ class Config:
     """Merge adjacent small units into buckets (off by default: units are the buckets)."""
     link_emulation: Optional[LinkEmulation] = None
     """Emulate a slower link for every collective (for studying overlap on one box)."""
+    offload: Offload = Offload()
+    """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
     cost_model: Any = "measure"
     """What prices the compiler's choices (e.g. reduce-scatter vs all-reduce): "measure"
     calibrates this machine when the engine starts (rank 0's figures, shared by all ranks), a
@@ -179,6 +297,14 @@ class Config:
             raise TypeError(
                 f"Config.cost_model must be 'measure', a preset name, a fxzero.cost.CostModel or "
                 f"None, got {type(self.cost_model).__name__}"
+            )
+        if not isinstance(self.offload, Offload):
+            raise TypeError(f"Config.offload must be a fxzero.Offload, got {type(self.offload).__name__}")
+        if self.offload.offloaded("param") and self.stage != 3:
+            raise ValueError(
+                f"Config.offload.params={self.offload.params!r} needs stage=3: at stage {self.stage} "
+                "every rank holds the whole parameters; offload the optimizer states instead "
+                "(Offload(optimizer=...)), or use stage=3"
             )
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
@@ -209,4 +335,8 @@ class Config:
         )
         zero = ds.get("zero_optimization", {})
         threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
-        return cls(stage=stage, optimizer=adamw, persist_threshold=threshold)
+        offload = Offload(
+            params=_placement_from_deepspeed(zero.get("offload_param", {}), "offload_param"),
+            optimizer=_placement_from_deepspeed(zero.get("offload_optimizer", {}), "offload_optimizer"),
+        )
+        return cls(stage=stage, optimizer=adamw, persist_threshold=threshold, offload=offload)
