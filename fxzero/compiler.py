@@ -78,5 +78,6 @@ def compile_program(
         ctx.programs, layouts, stage=config.stage, world_size=world_size,
         persistent=persistent_units(config, layouts),
         prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"),
+        tiers=config.offload.tiers(), lookahead=config.offload.lookahead,
     )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "all_gather", "flatten_grads", "free", "reduce_scatter", "wait"]
+__all__ = ["OPS", "all_gather", "fetch", "flatten_grads", "free", "offload", "reduce_scatter", "wait"]
 
 _lib = "fxzero"
 
@@ -106,10 +106,43 @@ def _(
     return torch.empty(padded_numel, dtype=dtype)
 
 
+@torch.library.custom_op(f"{_lib}::fetch", mutates_args=())
+def fetch(shard: torch.Tensor, unit: str, state: str) -> torch.Tensor:
+    """Start reading `unit`'s `state` ("param", ...) shard from the tier it is offloaded to.
+
+    `shard` is the unit's placeholder (the runtime binds it to nothing: the tier holds the
+    values). The result may only be read after the matching `fxzero::wait`. Eagerly (no tier),
+    the shard itself is the value.
+    """
+    return shard.clone()
+
+
+@fetch.register_fake
+def _(shard: torch.Tensor, unit: str, state: str) -> torch.Tensor:
+    return torch.empty_like(shard)
+
+
+@torch.library.custom_op(f"{_lib}::offload", mutates_args=())
+def offload(value: torch.Tensor, unit: str, state: str) -> torch.Tensor:
+    """Start writing `value` as `unit`'s `state` ("grad", ...) to the tier it is offloaded to.
+
+    The result is an empty token: after its `fxzero::wait` the write is complete and the tier
+    holds the value; `value` must not change before then.
+    """
+    return value.new_empty(0)
+
+
+@offload.register_fake
+def _(value: torch.Tensor, unit: str, state: str) -> torch.Tensor:
+    return value.new_empty(0)
+
+
 OPS = {
     "all_gather": torch.ops.fxzero.all_gather.default,
     "reduce_scatter": torch.ops.fxzero.reduce_scatter.default,
     "wait": torch.ops.fxzero.wait.default,
     "free": torch.ops.fxzero.free.default,
     "flatten_grads": torch.ops.fxzero.flatten_grads.default,
+    "fetch": torch.ops.fxzero.fetch.default,
+    "offload": torch.ops.fxzero.offload.default,
 }

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fxzero.config import STATE_KINDS
 from fxzero.passes.analysis import alias_source, kind
 from fxzero.units import UnitLayout
 
@@ -37,7 +38,12 @@ __all__ = [
 
 SCHEDULE_VERSION = 1
 COLLECTIVES = ("all_gather", "reduce_scatter")
-STREAM_OF = {"all_gather": "comm", "reduce_scatter": "comm"}  # everything else: "compute"
+IO = ("fetch", "offload")
+"""Transfers between this rank's memory and a storage tier (rank-local: not in the fingerprint)."""
+ASYNC = COLLECTIVES + IO
+"""Instructions whose result is only valid after their wait."""
+STREAM_OF = {"all_gather": "comm", "reduce_scatter": "comm", "fetch": "io", "offload": "io"}  # else "compute"
+
 
 
 class ScheduleError(ValueError):
@@ -49,9 +55,10 @@ class Instruction:
     name: str
     """The value it defines (the FX node name in its program's graph)."""
     kind: str
-    """compute | all_gather | reduce_scatter | wait | free | optim_step."""
+    """compute | all_gather | reduce_scatter | fetch | offload | wait | free | optim_step."""
     stream: str
-    """compute | comm: collectives are issued on the comm stream, everything else computes."""
+    """compute | comm | io: collectives run on the comm stream, transfers to and from a storage
+    tier (fetch, offload) on the io stream, everything else computes."""
     reads: tuple[str, ...] = ()
     """Values it reads (instruction names or program inputs)."""
     deps: tuple[int, ...] = ()
@@ -68,7 +75,10 @@ class Instruction:
     read_bytes: int = 0
     """Bytes of the tensors it reads (compute), for a memory-bound time estimate."""
     algorithm: str = ""
-    """How a collective is carried out, when not natively (e.g. a reduce-scatter as all_reduce)."""
+    """How a collective is carried out, when not natively (e.g. a reduce-scatter as all_reduce);
+    for a fetch or offload, the tier ("cpu", "nvme")."""
+    state: str = ""
+    """For a fetch or offload: which state of the unit it moves (one of STATE_KINDS)."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -220,12 +230,16 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
     meta = node.meta.get("fxzero", {})
     k = meta.get("kind")
     unit = meta.get("unit")
-    k = k if k in ("all_gather", "reduce_scatter", "wait", "free") else "compute"
+    k = k if k in ("all_gather", "reduce_scatter", "wait", "free", *IO) else "compute"
     touches = sorted({r.name for r in map(_gathered_root, node.all_input_nodes) if r is not None})
-    algorithm = meta.get("algorithm", "") if k in COLLECTIVES else ""
+    algorithm = meta.get("algorithm", "") if k in ASYNC else ""
     if k in COLLECTIVES:
         layout = layouts[unit]
         numel = layout.padded_numel
+        nbytes = numel * layout.itemsize
+    elif k in IO:
+        layout = layouts[unit]
+        numel = layout.shard_numel
         nbytes = numel * layout.itemsize
     else:
         numel, nbytes = _value_bytes(node.meta.get("val"))
@@ -245,6 +259,7 @@ def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
         flops=flops,
         read_bytes=read_bytes,
         algorithm=algorithm,
+        state=meta.get("state", "") if k in IO else "",
     )
 
 
@@ -265,7 +280,11 @@ def _order(graph: fx.Graph) -> tuple[list[fx.Node], dict[fx.Node, set[fx.Node]]]
             readers.setdefault(root, set()).add(n)
     for n in nodes:
         if kind(n) == "free":
-            deps[n] |= readers.get(n.args[0], set()) - {n}
+            buf = n.args[0]
+            deps[n] |= readers.get(buf, set()) - {n}
+            # A fetched shard is read by its gather, which has read it only once the gather's
+            # wait returns.
+            deps[n] |= {w for r in buf.users if kind(r) in ASYNC for w in r.users if kind(w) == "wait"}
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((d, n) for n in nodes for d in deps[n])
@@ -282,7 +301,7 @@ def _gathered_timeline(instructions: Iterable[Instruction]) -> tuple[int, ...]:
             live += ins.bytes
         elif ins.kind == "wait" and ins.reads[0] in size_of:
             size_of[ins.name] = size_of.pop(ins.reads[0])  # the wait's value is the buffer
-        elif ins.kind == "free":
+        elif ins.kind == "free" and ins.reads[0] in size_of:  # (else a fetched shard)
             live -= size_of.pop(ins.reads[0])
         out.append(live)
     return tuple(out)
@@ -308,31 +327,76 @@ def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedul
     )
 
 
-def _step_program(layouts: list[UnitLayout], persistent: frozenset[str]) -> ProgramSchedule:
-    """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered."""
+def _io(kind: str, state: str, layout: UnitLayout, tier: str, reads: tuple[str, ...] = ()) -> Instruction:
+    return Instruction(
+        name=f"{kind}:{state}:{layout.name}", kind=kind, stream="io", unit=layout.name, reads=reads,
+        numel=layout.shard_numel, bytes=layout.shard_numel * layout.itemsize, algorithm=tier, state=state,
+    )
+
+
+def _wait(ins: Instruction) -> Instruction:
+    return Instruction(name=f"wait:{ins.name}", kind="wait", stream="compute", unit=ins.unit, reads=(ins.name,))
+
+
+def _with_deps(instructions: list[Instruction]) -> list[Instruction]:
+    """Each instruction's deps: the instructions that define what it reads."""
+    index = {ins.name: i for i, ins in enumerate(instructions)}
+    return [
+        dataclasses.replace(ins, deps=tuple(sorted(index[r] for r in ins.reads if r in index)))
+        for ins in instructions
+    ]
+
+
+def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
+                  tiers: Optional[dict[str, str]] = None, lookahead: int = 1) -> ProgramSchedule:
+    """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered.
+
+    With offloaded states (`tiers`: state kind -> tier, for the kinds not on the device), each
+    unit's step reads its states from their tiers (fetch, wait) and writes back what it changed
+    (offload), streamed unit by unit: the fetches of the next `lookahead` units are issued before
+    this unit's update, and this unit's writes are waited for `lookahead` units later, so reads,
+    writes and the update overlap while only about 2 * lookahead + 1 units' states are in memory.
+    """
+    tiers = tiers or {}
+    trainable = [lay for lay in layouts if lay.trainable]
+
+    def fetched(layout: UnitLayout) -> list[str]:
+        return [k for k in STATE_KINDS if k in tiers and not (k == "param" and layout.name in persistent)]
+
+    def fetches(layout: UnitLayout) -> list[Instruction]:
+        return [_io("fetch", k, layout, tiers[k]) for k in fetched(layout)]
+
     instructions: list[Instruction] = []
-    for layout in layouts:
-        if not layout.trainable:
-            continue
+    issued = 0  # units whose fetches are issued
+    writes: list[list[Instruction]] = []  # per unit, its offloads still to be waited for
+    for i, layout in enumerate(trainable):
+        while issued < min(len(trainable), i + 1 + lookahead):
+            instructions += fetches(trainable[issued])
+            issued += 1
+        waits = [_wait(f) for f in fetches(layout)]
+        instructions += waits
         step = Instruction(
             name=f"optim_step:{layout.name}", kind="optim_step", stream="compute", unit=layout.name,
-            numel=layout.shard_numel, bytes=layout.shard_numel * layout.itemsize,
+            reads=tuple(w.name for w in waits), numel=layout.shard_numel,
+            bytes=layout.shard_numel * layout.itemsize,
         )
         instructions.append(step)
         if layout.name in persistent:
             start = Instruction(
                 name=f"all_gather:{layout.name}", kind="all_gather", stream="comm", unit=layout.name,
-                reads=(step.name,), deps=(len(instructions) - 1,), numel=layout.padded_numel,
-                bytes=layout.padded_numel * layout.itemsize,
+                reads=(step.name,), numel=layout.padded_numel, bytes=layout.padded_numel * layout.itemsize,
             )
-            instructions.append(start)
-            instructions.append(
-                Instruction(
-                    name=f"wait:{layout.name}", kind="wait", stream="compute", unit=layout.name,
-                    reads=(start.name,), deps=(len(instructions) - 1,),
-                )
-            )
+            instructions += [start, _wait(start)]
+        # The update changed the parameter shard and the moments; the gradient is consumed.
+        offloads = [_io("offload", k, layout, tiers[k], (step.name,)) for k in fetched(layout) if k != "grad"]
+        instructions += offloads
+        writes.append(offloads)
+        if len(writes) > lookahead:
+            instructions += [_wait(o) for o in writes.pop(0)]
+    for offloads in writes:
+        instructions += [_wait(o) for o in offloads]
     # The re-gathered buffer is the persistent parameter buffer, not a transient one.
+    instructions = _with_deps(instructions)
     return ProgramSchedule("step", (), (), tuple(instructions), tuple(0 for _ in instructions))
 
 
@@ -350,13 +414,20 @@ def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayo
 
 def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage: int,
                    world_size: int, persistent: frozenset[str],
-                   prefetch_budget_bytes: Optional[int] = None) -> Schedule:
-    """The Schedule of the forward and backward programs (from the split pass) and the step."""
+                   prefetch_budget_bytes: Optional[int] = None,
+                   tiers: Optional[dict[str, str]] = None, lookahead: int = 1) -> Schedule:
+    """The Schedule of the forward and backward programs (from the split pass) and the step.
+
+    Args:
+        tiers: state kind ("param", "grad", "exp_avg", "exp_avg_sq") -> tier name, for the
+            states offloaded from the device (the step program fetches and writes them back).
+        lookahead: units whose step states are fetched ahead of the one being updated.
+    """
     by_name = {u.name: u for u in layouts}
     progs = (
         _program_schedule(programs["forward"], by_name),
         _program_schedule(programs["backward"], by_name),
-        _step_program(layouts, persistent),
+        _step_program(layouts, persistent, tiers, lookahead),
     )
     schedule = Schedule(
         SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),
@@ -373,8 +444,8 @@ def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage
 
 def _validate_program(p: ProgramSchedule) -> None:
     defined = set(p.inputs)
-    pending: dict[str, Instruction] = {}  # collective results not yet waited for
-    live: set[str] = set()  # gathered buffers
+    pending: dict[str, Instruction] = {}  # collective and transfer results not yet waited for
+    live: set[str] = set()  # gathered buffers and fetched shards, which must be freed
     freed: set[str] = set()
     names = [i.name for i in p.instructions]
     for idx, ins in enumerate(p.instructions):
@@ -393,23 +464,24 @@ def _validate_program(p: ProgramSchedule) -> None:
         for b in ins.touches if ins.kind != "free" else ():  # a free is checked below
             if b in freed:
                 raise ScheduleError(f"{where}: uses gathered buffer {b} after it was freed")
-        if ins.kind in COLLECTIVES:
+        if ins.kind in ASYNC:
             pending[ins.name] = ins
             continue
         if ins.kind == "wait":
             (src,) = ins.reads
             if src not in pending:
-                raise ScheduleError(f"{where}: waits for {src}, which is not an outstanding collective")
+                raise ScheduleError(f"{where}: waits for {src}, which is not an outstanding collective or transfer")
             # The step program re-gathers into the persistent parameter buffers (ZeRO-1/2),
-            # which are never freed; every other gather makes a transient buffer.
-            if pending.pop(src).kind == "all_gather" and p.name != "step":
+            # which are never freed, and its fetched states are consumed by the update; in the
+            # forward and backward every gather and every fetch makes a transient buffer.
+            if pending.pop(src).kind in ("all_gather", "fetch") and p.name != "step":
                 live.add(ins.name)
         if ins.kind == "free":
             (buf,) = ins.reads
             if buf in freed:
                 raise ScheduleError(f"{where}: frees {buf} a second time (double free)")
             if buf not in live:
-                raise ScheduleError(f"{where}: frees {buf}, which is not a gathered buffer")
+                raise ScheduleError(f"{where}: frees {buf}, which is not a gathered or fetched buffer")
             live.discard(buf)
             freed.add(buf)
         defined.add(ins.name)
@@ -419,7 +491,7 @@ def _validate_program(p: ProgramSchedule) -> None:
             f"{p.name} program: {first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)"
         )
     if live:
-        raise ScheduleError(f"{p.name} program: gathered buffers {sorted(live)} are never freed")
+        raise ScheduleError(f"{p.name} program: gathered or fetched buffers {sorted(live)} are never freed")
     assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"
 
 

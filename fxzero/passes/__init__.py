@@ -5,6 +5,7 @@ from fxzero.passes import (
     choose_collectives,
     insert_gather_free,
     insert_reduce_scatter,
+    offload,
     partition,
     prefetch,
     separate_phases,
@@ -33,5 +34,9 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     passes.append(choose_collectives.make(cost_model=cost_model))
     if config.prefetch is not None:
         passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
+    tiers = config.offload.tiers()
+    if "param" in tiers or "grad" in tiers:
+        passes.append(offload.make(params=tiers.get("param"), grads=tiers.get("grad"),
+                                   lookahead=config.offload.lookahead))
     passes.append(split.PASS)
     return passes

@@ -30,7 +30,9 @@ from fxzero.config import Config
 from fxzero.runtime.comm import Comm, make_comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.materialize import materialize
-from fxzero.runtime.optim import AdamWState, adamw_step
+from fxzero.runtime.offload import OffloadStore
+from fxzero.runtime.optim import AdamWState
+from fxzero.runtime.step import StepRunner
 from fxzero.schedule import check_fingerprints
 
 __all__ = ["Engine"]
@@ -58,10 +60,13 @@ def _storage_bytes(tensors) -> int:
 class _Compiled:
     """One input signature's compiled program, with runners bound to this rank's comm."""
 
-    def __init__(self, compiled: CompiledProgram, comm: Comm, memory: GatheredMemory):
+    def __init__(self, compiled: CompiledProgram, comm: Comm, memory: GatheredMemory,
+                 store: Optional[OffloadStore], optimizer) -> None:
         self.compiled = compiled
-        self.forward = ProgramRunner(compiled.schedule.program("forward"), compiled.programs["forward"].gm, comm, memory)
-        self.backward = ProgramRunner(compiled.schedule.program("backward"), compiled.programs["backward"].gm, comm, memory)
+        schedule, programs = compiled.schedule, compiled.programs
+        self.forward = ProgramRunner(schedule.program("forward"), programs["forward"].gm, comm, memory, store)
+        self.backward = ProgramRunner(schedule.program("backward"), programs["backward"].gm, comm, memory, store)
+        self.step = StepRunner(schedule.program("step"), compiled.layouts, comm, store, optimizer)
 
 
 class _RunProgram(torch.autograd.Function):
@@ -109,9 +114,18 @@ class Engine:
         self.layouts = plan_layouts(model, config, self.world_size, self.cost_model)
         self.num_params = sum(layout.numel for layout in self.layouts)
         self._whole = persistent_units(config, self.layouts)  # units held whole, not sharded
+        self.store: Optional[OffloadStore] = None
+        spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
+        if config.offload.tiers():
+            self.store = OffloadStore(config.offload, self.rank)
+            self.store.reserve(self._offloaded_bytes())
+            if self.store.offloaded("param"):
+                spilled = frozenset(lay.name for lay in self.layouts if lay.name not in self._whole)
         self._params, self._buffers = materialize(
-            model, self.layouts, rank=self.rank, whole=self._whole, state_dict=state_dict, seed=config.seed
+            model, self.layouts, rank=self.rank, whole=self._whole, state_dict=state_dict, seed=config.seed,
+            spill=spilled, spill_to=lambda unit, shard: self.store.put("param", unit, shard),
         )
+        self._offloaded_params = spilled
         self._grads: dict[str, torch.Tensor] = {}
         self._optim: dict[str, AdamWState] = {}
         self._cache: dict[Any, _Compiled] = {}
@@ -119,6 +133,22 @@ class Engine:
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[_Compiled] = None
+
+    def _offloaded_bytes(self) -> dict[str, int]:
+        """Bytes each offloadable state kind takes on its tier, for this rank."""
+        placement = self.config.offload.placement
+        sharded = [lay for lay in self.layouts if lay.name not in self._whole]
+        trainable = [lay for lay in self.layouts if lay.trainable]
+
+        def on_tier(kind: str, units) -> int:
+            return sum(OffloadStore.stored_bytes(placement(kind), lay.shard_numel * lay.itemsize) for lay in units)
+
+        return {
+            "param": on_tier("param", sharded),
+            "grad": on_tier("grad", trainable),
+            "exp_avg": on_tier("exp_avg", trainable),
+            "exp_avg_sq": on_tier("exp_avg_sq", trainable),
+        }
 
     # -- compile ---------------------------------------------------------------------------
 
@@ -142,7 +172,7 @@ class Engine:
                 cost_model=self.cost_model,
             )
             check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
-            self._cache[key] = _Compiled(compiled, self.comm, self._gathered)
+            self._cache[key] = _Compiled(compiled, self.comm, self._gathered, self.store, self.config.optimizer)
         return self._cache[key]
 
     @property
@@ -177,7 +207,7 @@ class Engine:
         env = {}
         for name, (kind, key) in zip(runner.program.inputs, program.inputs):
             if kind == "unit":
-                env[name] = self._params[key]
+                env[name] = self._params.get(key)  # None: the shard is on a tier, fetched by the program
             elif kind == "buffer":
                 env[name] = self._buffers[key]
             else:
@@ -244,24 +274,10 @@ class Engine:
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
-        gradless = frozenset(self._last.compiled.signature.gradless_fqns)
-        pending = {}
-        for ins in step_program.instructions:
-            if ins.kind == "optim_step":
-                shard = self._shard_of(ins.unit)
-                if ins.unit not in self._optim:
-                    self._optim[ins.unit] = AdamWState.zeros_like(shard)
-                state = self._optim[ins.unit]
-                ranges = self._layout(ins.unit).shard_ranges(self.rank, skip=gradless)
-                adamw_step(shard, self._grads[ins.unit], state, self.config.optimizer, ranges)
-            elif ins.kind == "all_gather":
-                # ZeRO-1/2: every rank updated its slice; gather the updated full buffer.
-                full = self._params[ins.unit]
-                pending[ins.name] = self.comm.all_gather(full, self._shard_of(ins.unit).clone())
-            elif ins.kind == "wait":
-                pending.pop(ins.reads[0]).wait()
-            else:
-                raise AssertionError(f"unexpected {ins.kind} in the step program")
+        self._last.step.run(
+            shard_of=self._shard_of, full_of=self._params.__getitem__, grads=self._grads, optim=self._optim,
+            gradless=frozenset(self._last.compiled.signature.gradless_fqns),
+        )
         self._grads.clear()
 
     def record_timeline(self, on: bool = True) -> None:
@@ -288,8 +304,11 @@ class Engine:
             if layout.name in self._whole:
                 flat = self._params[layout.name]
             else:
+                shard = self._params.get(layout.name)
+                if layout.name in self._offloaded_params:
+                    shard = self.store.get("param", layout.name)
                 flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
-                self.comm.all_gather(flat, self._params[layout.name], count=False).wait()
+                self.comm.all_gather(flat, shard, count=False).wait()
             for slot in layout.slots:
                 full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         out = {}
@@ -306,6 +325,8 @@ class Engine:
 
         param_shards counts all parameter storage, of which persistent_params is held whole
         (persistent units: every unit at ZeRO-1/2, units under the threshold at ZeRO-3).
+        Categories count resident memory only; `offloaded` is bytes per storage tier, and
+        staged / staged_peak the shards fetched from a tier and not yet released.
 
         Counted from the storages the engine holds (a view of a larger buffer counts the whole
         buffer), not estimated from sizes.
@@ -323,7 +344,20 @@ class Engine:
             "buffers": _storage_bytes(self._buffers.values()),
             "gathered": self._gathered.current,
             "gathered_peak": self._gathered.peak,
+            "staged": self._gathered.staged,
+            "staged_peak": self._gathered.staged_peak,
+            "offloaded": self.store.held_bytes() if self.store is not None else {},
         }
+
+    def io_report(self, reset: bool = False) -> dict[str, dict]:
+        """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset
+        (empty when nothing is offloaded)."""
+        return self.store.report(reset) if self.store is not None else {}
+
+    def close(self) -> None:
+        """Finish offload I/O in flight and remove this rank's NVMe files (also done at exit)."""
+        if self.store is not None:
+            self.store.close()
 
     def comm_report(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes sent per collective kind since the last reset."""

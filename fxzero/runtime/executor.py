@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from fxzero.passes.analysis import kind as kind_of
 from fxzero.runtime.comm import Comm, Pending
 from fxzero.schedule import Instruction, ProgramSchedule
+
+if TYPE_CHECKING:
+    from fxzero.runtime.offload import OffloadStore
 
 __all__ = ["GatheredMemory", "ProgramRunner", "Timed"]
 
@@ -36,14 +40,34 @@ _RUNTIME_TARGET = {torch.ops.aten.view.default: torch.ops.aten.reshape.default}
 
 @dataclasses.dataclass
 class GatheredMemory:
-    """Bytes of gathered parameter buffers alive now, and the most seen at once."""
+    """Bytes of gathered parameter buffers alive now, and the most seen at once; likewise for
+    shards fetched from a storage tier (staged), which live until their gather is done."""
 
     current: int = 0
     peak: int = 0
+    staged: int = 0
+    staged_peak: int = 0
 
     def add(self, n: int) -> None:
         self.current += n
         self.peak = max(self.peak, self.current)
+
+    def stage(self, n: int) -> None:
+        self.staged += n
+        self.staged_peak = max(self.staged_peak, self.staged)
+
+
+class _Written(NamedTuple):
+    """An offload in flight; its wait yields an empty token (the value now lives in its tier)."""
+
+    pending: Any
+
+    def wait(self) -> torch.Tensor:
+        self.pending.wait()
+        return _TOKEN
+
+
+_TOKEN = torch.empty(0)
 
 
 def _last_reads(program: ProgramSchedule) -> dict[int, list[str]]:
@@ -63,10 +87,12 @@ def _last_reads(program: ProgramSchedule) -> dict[int, list[str]]:
 class ProgramRunner:
     """Runs one scheduled program (forward or backward) against its FX graph."""
 
-    def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory):
+    def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory,
+                 store: Optional["OffloadStore"] = None):
         self.program = program
         self.comm = comm
         self.memory = memory
+        self.store = store
         nodes = {n.name: n for n in gm.graph.nodes}
         self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = []
         for ins in program.instructions:
@@ -126,19 +152,47 @@ class ProgramRunner:
                 return pending._replace(finish=finish)
 
             return reduce_scatter
+        if kind == "fetch":
+            unit, state = node.args[1], node.args[2]
+            val = node.args[0].meta["val"]  # the unit placeholder: shard-sized (insert_gather_free)
+            store = self._need_store(ins)
+
+            def fetch(env: dict) -> Any:
+                self.memory.stage(ins.bytes)
+                return store.fetch(state, unit, val.numel(), val.dtype)
+
+            return fetch
+        if kind == "offload":
+            src, unit, state = node.args[0].name, node.args[1], node.args[2]
+            store = self._need_store(ins)
+
+            def offload(env: dict) -> _Written:
+                return _Written(store.write(state, unit, env[src]))
+
+            return offload
         if kind == "wait":
             src = node.args[0].name
             return lambda env: env[src].wait()
         if kind == "free":
-            src = node.args[0].name
+            src = node.args[0]  # the wait of a gather (a gathered buffer) or of a fetch (a shard)
+            staged = bool(src.args) and isinstance(src.args[0], fx.Node) and kind_of(src.args[0]) == "fetch"
 
             def free(env: dict) -> None:
-                buf = env[src]
-                self.memory.add(-buf.untyped_storage().nbytes())
+                buf = env[src.name]
+                nbytes = buf.untyped_storage().nbytes()
+                if staged:
+                    self.memory.stage(-nbytes)
+                else:
+                    self.memory.add(-nbytes)
                 buf.untyped_storage().resize_(0)
 
             return free
         raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
+
+    def _need_store(self, ins: Instruction):
+        if self.store is None:
+            raise RuntimeError(f"{ins.kind} {ins.name}: the program moves offloaded state but no store was given")
+        return self.store
 
     @torch.no_grad()
     def run(self, inputs: dict[str, Any], record: Optional[list] = None) -> list[Any]:

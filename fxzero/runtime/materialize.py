@@ -14,7 +14,7 @@ In every case only one module's (or one parameter's) full tensors exist at a tim
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -34,33 +34,52 @@ def _alias_to_unique(model: nn.Module) -> dict[str, str]:
 
 
 class _Sink:
-    """Receives full parameter values one at a time and keeps this rank's part of each unit."""
+    """Receives full parameter values one at a time and keeps this rank's part of each unit.
 
-    def __init__(self, layouts: list[UnitLayout], rank: int, whole: frozenset[str]) -> None:
+    A unit's buffer is allocated when its first parameter arrives. A unit in `spill` is handed
+    to `spill_to(unit, buffer)` as soon as its last parameter arrives and is not kept, so a
+    model whose shards go to a storage tier never has more than a few units in memory.
+    """
+
+    def __init__(self, layouts: list[UnitLayout], rank: int, whole: frozenset[str],
+                 spill: frozenset[str] = frozenset(),
+                 spill_to: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
         self.whole = whole
         self.rank = rank
+        self.spill, self.spill_to = spill, spill_to
+        self.layouts = {layout.name: layout for layout in layouts}
         self.where: dict[str, tuple[UnitLayout, ParamSlot]] = {}
         self.storage: dict[str, torch.Tensor] = {}
+        self.remaining: dict[str, set[str]] = {}
         for layout in layouts:
-            n = layout.padded_numel if layout.name in whole else layout.shard_numel
-            self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype)
+            self.remaining[layout.name] = {slot.fqn for slot in layout.slots}
             for slot in layout.slots:
                 self.where[slot.fqn] = (layout, slot)
         self.filled: set[str] = set()
+
+    def _buffer(self, layout: UnitLayout) -> torch.Tensor:
+        if layout.name not in self.storage:
+            n = layout.padded_numel if layout.name in self.whole else layout.shard_numel
+            self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype)
+        return self.storage[layout.name]
 
     def put(self, fqn: str, value: torch.Tensor) -> None:
         layout, slot = self.where[fqn]
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{fqn}: got shape {tuple(value.shape)}, the model has {slot.shape}")
         flat = value.detach().reshape(-1).to(layout.dtype)
+        buffer = self._buffer(layout)
         if layout.name in self.whole:
-            self.storage[layout.name][slot.offset : slot.offset + slot.numel].copy_(flat)
+            buffer[slot.offset : slot.offset + slot.numel].copy_(flat)
         else:
             lo, hi = layout.shard_range(self.rank)
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
-                self.storage[layout.name][a - lo : b - lo].copy_(flat[a - slot.offset : b - slot.offset])
+                buffer[a - lo : b - lo].copy_(flat[a - slot.offset : b - slot.offset])
         self.filled.add(fqn)
+        self.remaining[layout.name].discard(fqn)
+        if not self.remaining[layout.name] and layout.name in self.spill:
+            self.spill_to(layout.name, self.storage.pop(layout.name))
 
     def missing(self) -> list[str]:
         return sorted(set(self.where) - self.filled)
@@ -114,17 +133,21 @@ def materialize(
     whole: frozenset[str],
     state_dict: Optional[Mapping[str, torch.Tensor]] = None,
     seed: int = 0,
+    spill: frozenset[str] = frozenset(),
+    spill_to: Optional[Callable[[str, torch.Tensor], None]] = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's flat parameter storage per unit, and the model's buffers (full, on CPU).
 
     Args:
         whole: units whose whole flat buffer this rank keeps (persistent units), rather than
             its shard.
+        spill, spill_to: units whose shard is handed to `spill_to(unit, shard)` as soon as it is
+            complete (e.g. written to an NVMe tier) instead of returned.
 
     Raises:
         ValueError: if the state_dict lacks parameters or has wrong shapes.
     """
-    sink = _Sink(layouts, rank, whole)
+    sink = _Sink(layouts, rank, whole, spill, spill_to)
     buffers: dict[str, torch.Tensor] = {}
     buffer_fqns = [fqn for fqn, _ in model.named_buffers()]
     if state_dict is not None:
@@ -158,4 +181,4 @@ def materialize(
             f"no value for parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}: the "
             "state_dict passed to fxzero.compile must hold every parameter of the model"
         )
-    return sink.storage, buffers
+    return {lay.name: sink.storage[lay.name] for lay in layouts if lay.name not in spill}, buffers

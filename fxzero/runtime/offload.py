@@ -1,0 +1,168 @@
+"""Where this rank's offloaded model states live: one storage tier per placement.
+
+`OffloadStore` turns the config's placements (`fxzero.Offload`) into storage tiers
+(`fxzero/runtime/storage.py`) and keys ("param/blocks.3", "exp_avg/blocks.3", ...), and is what
+the executor's fetch and offload instructions call. Each NVMe placement gets its own directory
+for this rank, `<path>/fxzero-rank<N>-<pid>`, created here and removed by `close()`.
+
+[Note: space is checked before training]
+Before anything is written, `reserve` asks each tier whether this rank's states fit (with the
+NVMe file headers and padding), counting every rank of this machine that shares the disk: a full
+disk is an error naming the bytes needed at start-up, never a failed write mid-step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from typing import Optional
+
+import torch
+
+from fxzero.config import STATE_KINDS, Cpu, Nvme, Offload, Placement
+from fxzero.runtime.storage import ALIGN, CpuTier, NvmeTier, Pending, StorageTier
+
+__all__ = ["OffloadStore"]
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _local_ranks() -> int:
+    """Ranks of this job on this machine (they share its disks)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def _nvme_dir(placement: Nvme, rank: int) -> str:
+    if not os.path.isdir(placement.path):
+        raise ValueError(
+            f"[rank {rank}] Nvme(path={placement.path!r}): no such directory; create it (mkdir -p) "
+            "or point nvme_path at an existing directory on the fast disk"
+        )
+    if not os.access(placement.path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"[rank {rank}] Nvme(path={placement.path!r}) is not writable by this user; fix its "
+            "permissions or choose another directory"
+        )
+    path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}")
+    os.makedirs(path, exist_ok=False)
+    return path
+
+
+def _close_all(tiers: list[StorageTier], dirs: list[str]) -> None:
+    for tier in tiers:
+        tier.close()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class OffloadStore:
+    """This rank's offloaded states, by (state kind, unit).
+
+    Args:
+        offload: the config's placements; kinds on `Device()` are not stored here.
+        rank: for error messages and directory names.
+    """
+
+    def __init__(self, offload: Offload, rank: int) -> None:
+        self.rank = rank
+        self.offload = offload
+        self._tiers: dict[Placement, StorageTier] = {}
+        self._dirs: list[str] = []
+        self.staged = 0
+        """Bytes fetched from tiers and not yet released (the executor counts them)."""
+        self.staged_peak = 0
+        for kind in STATE_KINDS:
+            placement = offload.placement(kind)
+            if not offload.offloaded(kind) or placement in self._tiers:
+                continue
+            if isinstance(placement, Nvme):
+                path = _nvme_dir(placement, rank)
+                self._dirs.append(path)
+                self._tiers[placement] = NvmeTier(
+                    path, threads=placement.threads, block_bytes=placement.block_bytes, direct=placement.direct
+                )
+            elif isinstance(placement, Cpu):
+                self._tiers[placement] = CpuTier(pin=placement.pin_memory and torch.cuda.is_available())
+            else:
+                raise AssertionError(placement)
+        # Files are scratch for this run: removed at close() or when the store is collected.
+        self._finalizer = weakref.finalize(self, _close_all, list(self._tiers.values()), list(self._dirs))
+
+    # -- where ---------------------------------------------------------------------------------
+
+    def offloaded(self, kind: str) -> bool:
+        return self.offload.offloaded(kind)
+
+    def tier(self, kind: str) -> StorageTier:
+        return self._tiers[self.offload.placement(kind)]
+
+    @staticmethod
+    def key(kind: str, unit: str) -> str:
+        return f"{kind}/{unit}"
+
+    def reserve(self, bytes_per_kind: dict[str, int]) -> None:
+        """Check every tier has room for these states (see [Note: space is checked before training])."""
+        need: dict[Placement, int] = {}
+        for kind, nbytes in bytes_per_kind.items():
+            if self.offloaded(kind):
+                placement = self.offload.placement(kind)
+                need[placement] = need.get(placement, 0) + nbytes
+        for placement, nbytes in need.items():
+            tier = self._tiers[placement]
+            total = nbytes * _local_ranks() if isinstance(placement, Nvme) else nbytes
+            try:
+                tier.reserve(total)
+            except ValueError as e:
+                raise ValueError(
+                    f"[rank {self.rank}] not enough room for the offloaded model states on {placement!r} "
+                    f"({total} bytes for {_local_ranks()} rank(s) on this machine): {e}"
+                ) from None
+
+    @staticmethod
+    def stored_bytes(placement: Placement, nbytes: int) -> int:
+        """Bytes a tensor of `nbytes` takes on `placement` (NVMe: a header block and padding)."""
+        return ALIGN + _round_up(nbytes) if isinstance(placement, Nvme) else nbytes
+
+    # -- moving --------------------------------------------------------------------------------
+
+    def put(self, kind: str, unit: str, value: torch.Tensor) -> None:
+        """Store `value` now (blocking): initial parameters, written once at start-up."""
+        self.tier(kind).write(self.key(kind, unit), value).wait()
+
+    def fetch(self, kind: str, unit: str, numel: int, dtype: torch.dtype) -> Pending:
+        """Start reading a state; AdamW moments never written yet read as zeros (the first step)."""
+        key = self.key(kind, unit)
+        tier = self.tier(kind)
+        if kind in ("exp_avg", "exp_avg_sq") and key not in tier:
+            return Pending(None, torch.zeros(numel, dtype=dtype))
+        return tier.read(key)
+
+    def write(self, kind: str, unit: str, value: torch.Tensor) -> Pending:
+        """Start writing a state; `value` must not change until the Pending is waited for."""
+        return self.tier(kind).write(self.key(kind, unit), value)
+
+    def get(self, kind: str, unit: str) -> torch.Tensor:
+        return self.tier(kind).read(self.key(kind, unit)).wait()
+
+    def has(self, kind: str, unit: str) -> bool:
+        return self.key(kind, unit) in self.tier(kind)
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes stored per tier name (unpadded tensor bytes)."""
+        out: dict[str, int] = {}
+        for tier in self._tiers.values():
+            out[tier.name] = out.get(tier.name, 0) + sum(tier.nbytes(k) for k in tier.keys())
+        return out
+
+    def report(self, reset: bool = False) -> dict[str, dict]:
+        """Per tier: bytes, seconds, calls and GB/s each way since the last reset."""
+        return {tier.name: tier.report(reset) for tier in self._tiers.values()}
+
+    def close(self) -> None:
+        """Finish the I/O in flight, stop the workers and remove this rank's NVMe files."""
+        self._finalizer()

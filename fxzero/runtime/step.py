@@ -1,0 +1,97 @@
+"""Run the step program: AdamW per unit, with offloaded states streamed through memory.
+
+The step program (`fxzero.schedule._step_program`) is a list of instructions like the forward's:
+`fetch` / `offload` (a state of one unit from / to its tier, on the io stream), `wait`,
+`optim_step` and, for persistent units, `all_gather` + `wait` of the updated full buffer. States
+on the device are read from the engine's dicts in place; fetched ones live in this run's
+environment until their last reader (the offload writing them back), so memory holds only the
+units the schedule has in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from fxzero.config import AdamW
+from fxzero.runtime.comm import Comm
+from fxzero.runtime.executor import _last_reads
+from fxzero.runtime.offload import OffloadStore
+from fxzero.runtime.optim import AdamWState, adamw_step
+from fxzero.schedule import ProgramSchedule
+from fxzero.units import UnitLayout
+
+__all__ = ["StepRunner"]
+
+
+class StepRunner:
+    """Executes one step program on this rank.
+
+    Args:
+        shard_of: unit -> this rank's resident parameter shard (a view into the full buffer for
+            persistent units); only called for units whose parameters are not offloaded.
+        full_of: unit -> the persistent full parameter buffer the step re-gathers into.
+    """
+
+    def __init__(self, program: ProgramSchedule, layouts: list[UnitLayout], comm: Comm,
+                 store: Optional[OffloadStore], optimizer: AdamW) -> None:
+        self.program = program
+        self.layouts = {lay.name: lay for lay in layouts}
+        self.comm = comm
+        self.store = store
+        self.optimizer = optimizer
+        self.drop_after = _last_reads(program)
+        self.state_of = {ins.name: ins.state for ins in program.instructions if ins.kind == "fetch"}
+        self.read = {r for ins in program.instructions for r in ins.reads}
+
+    @torch.no_grad()
+    def run(self, *, shard_of, full_of, grads: dict[str, torch.Tensor], optim: dict[str, AdamWState],
+            gradless: frozenset[str]) -> None:
+        """Update every trainable unit. Resident moments are kept in `optim` (created on first
+        use); offloaded ones are written back with their step count kept in `optim` too, over
+        empty tensors."""
+        env: dict[str, Any] = {}
+        fetched_by: dict[str, str] = {}  # wait name -> the state it fetched
+        for i, ins in enumerate(self.program.instructions):
+            if ins.kind == "fetch":
+                layout = self.layouts[ins.unit]
+                env[ins.name] = self.store.fetch(ins.state, ins.unit, ins.numel, layout.dtype)
+            elif ins.kind == "wait":
+                (src,) = ins.reads
+                env[ins.name] = env[src].wait()
+                if src in self.state_of:
+                    fetched_by[ins.name] = self.state_of[src]
+            elif ins.kind == "optim_step":
+                fetched = {fetched_by[r]: env[r] for r in ins.reads}
+                env[ins.name] = self._update(ins.unit, fetched, shard_of, grads, optim, gradless)
+            elif ins.kind == "offload":
+                (src,) = ins.reads
+                env[ins.name] = self.store.write(ins.state, ins.unit, env[src][ins.state])
+            elif ins.kind == "all_gather":
+                # Persistent units: every rank updated its slice; gather the updated full buffer.
+                env[ins.name] = self.comm.all_gather(full_of(ins.unit), shard_of(ins.unit).clone())
+            else:
+                raise AssertionError(f"unexpected {ins.kind} in the step program")
+            if ins.name not in self.read:
+                env.pop(ins.name, None)  # e.g. a finished write's wait: nothing to keep
+            for name in self.drop_after.get(i, ()):
+                del env[name]
+
+    def _update(self, unit: str, fetched: dict[str, torch.Tensor], shard_of, grads, optim, gradless):
+        layout = self.layouts[unit]
+        param = fetched["param"] if "param" in fetched else shard_of(unit)
+        grad = fetched["grad"] if "grad" in fetched else grads[unit]
+        if "exp_avg" in fetched:
+            steps = optim[unit].step if unit in optim else 0
+            state = AdamWState(fetched["exp_avg"], fetched["exp_avg_sq"], steps)
+        else:
+            if unit not in optim:
+                optim[unit] = AdamWState.zeros_like(param)
+            state = optim[unit]
+        ranges = layout.shard_ranges(self.comm.rank, skip=gradless)
+        adamw_step(param, grad, state, self.optimizer, ranges)
+        if "exp_avg" in fetched:
+            # Only the step count stays resident; the moments go back to their tier.
+            optim[unit] = AdamWState(torch.empty(0), torch.empty(0), state.step)
+        return {"param": param, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
