@@ -2,9 +2,10 @@
 
 A `CostModel` prices an instruction: compute from its FLOPs and bytes (the slower of the two,
 plus a fixed dispatch overhead per op), a collective from a latency/bandwidth model of the link
-(ring algorithms: each rank sends (N-1)/N of the buffer). `simulate` replays a Schedule on a
-compute stream and a comm stream and returns the step time, the communication left exposed
-(compute waiting on a collective) and the peak of gathered memory.
+(ring algorithms: each rank sends (N-1)/N of the buffer), a fetch or offload from its storage
+tier's bandwidth. `simulate` replays a Schedule on a compute, a comm and an io stream and returns
+the step time, the communication and storage I/O left exposed (compute waiting on them) and the
+peak of gathered memory.
 
 Presets describe hardware we do not have (`PRESETS`); `calibrate()` measures the machine at
 hand (a matmul probe, a copy probe and, in a process group, an all-gather sweep).
@@ -18,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from fxzero.schedule import COLLECTIVES, Instruction, Schedule
+from fxzero.schedule import COLLECTIVES, IO, Instruction, Schedule
 
-__all__ = ["CostModel", "Event", "Link", "PRESETS", "SimResult", "calibrate", "simulate"]
+__all__ = ["CostModel", "DEFAULT_IO", "Event", "Link", "PRESETS", "SimResult", "calibrate", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,18 @@ class CostModel:
     """How much a running collective slows this rank's compute: compute overlapping one
     second of communication takes this many seconds longer. Near 0 where a DMA engine moves
     the bytes (NVLink, RDMA); large on CPU backends, whose transfers are copies by the CPU."""
+    io: dict[str, Link] = dataclasses.field(default_factory=dict)
+    """Storage tiers, per "<tier>_read" / "<tier>_write" (e.g. "nvme_read"): bandwidth one rank
+    gets from its share of the tier, and latency per transfer. A tier not listed moves at
+    `DEFAULT_IO` (the cpu tier: half the memory bandwidth, a copy reads and writes)."""
+
+    def io_seconds(self, ins: Instruction) -> float:
+        """Time of a fetch (read) or offload (write) of `ins.bytes` from or to its tier."""
+        key = f"{ins.algorithm}_{'read' if ins.kind == 'fetch' else 'write'}"
+        link = self.io.get(key) or DEFAULT_IO.get(key)
+        if link is None:
+            link = Link(bandwidth=self.mem_bytes_per_s / 2)
+        return link.latency + ins.bytes / link.bandwidth
 
     def compute_seconds(self, ins: Instruction) -> float:
         if ins.kind == "optim_step":
@@ -85,6 +98,14 @@ def _gbps(x: float) -> float:
     return x * 1e9
 
 
+DEFAULT_IO: dict[str, Link] = {
+    # One NVMe drive of this project's machines (shared/ANCHORS.md: O_DIRECT, 1 MiB blocks).
+    "nvme_read": Link(bandwidth=_gbps(1.05), latency=1e-4),
+    "nvme_write": Link(bandwidth=_gbps(2.3), latency=1e-4),
+}
+"""Storage tier figures for cost models that do not list their own."""
+
+
 PRESETS: dict[str, CostModel] = {
     # 8 x H100 SXM on NVLink 4 (about 450 GB/s bus bandwidth per GPU for NCCL collectives),
     # fp32 without tensor cores about 50 TFLOP/s, HBM3 3 TB/s.
@@ -92,12 +113,17 @@ PRESETS: dict[str, CostModel] = {
         name="h100x8-nvlink", flops_per_s=50e12, mem_bytes_per_s=3e12, op_overhead_s=5e-6,
         links={k: Link(bandwidth=_gbps(360), latency=15e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
         world_size=8,
+        # PCIe 5 host copies (~50 GB/s per GPU); 8 NVMe drives (~25 GB/s read) shared by 8 GPUs.
+        io={"cpu_read": Link(bandwidth=_gbps(50)), "cpu_write": Link(bandwidth=_gbps(50)),
+            "nvme_read": Link(bandwidth=_gbps(3.1), latency=1e-4), "nvme_write": Link(bandwidth=_gbps(2.5), latency=1e-4)},
     ),
     # 64 GPUs (8 nodes) on 400 Gb/s links: the inter-node ring runs at ~45 GB/s per rank.
     "h100x64-ib400": CostModel(
         name="h100x64-ib400", flops_per_s=50e12, mem_bytes_per_s=3e12, op_overhead_s=5e-6,
         links={k: Link(bandwidth=_gbps(45), latency=40e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
         world_size=64,
+        io={"cpu_read": Link(bandwidth=_gbps(50)), "cpu_write": Link(bandwidth=_gbps(50)),
+            "nvme_read": Link(bandwidth=_gbps(3.1), latency=1e-4), "nvme_write": Link(bandwidth=_gbps(2.5), latency=1e-4)},
     ),
     # This kind of machine: 2 vCPU, gloo over loopback, one thread per rank (shared/ANCHORS.md).
     "cpu-loopback": CostModel(
@@ -144,37 +170,47 @@ class SimResult:
     """Time the compute stream sat waiting for collectives."""
     peak_gathered_bytes: int
     events: tuple[Event, ...]
+    io_seconds: float = 0.0
+    """Busy time of the io stream (reads and writes of offloaded states)."""
+    exposed_io_seconds: float = 0.0
+    """Time the compute stream sat waiting for reads or writes."""
 
     def summary(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "events"}
 
 
 def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
-    """Replay `schedule`'s programs (forward, backward, step) on a compute and a comm stream.
+    """Replay `schedule`'s programs (forward, backward, step) on compute, comm and io streams.
 
     Each instruction starts when its stream is free and its dependencies have ended; a
-    collective runs on the comm stream, one at a time in issue order; its wait (on the compute
-    stream) ends when the collective has. Programs run back to back.
+    collective runs on the comm stream, a fetch or offload on the io stream, one at a time in
+    issue order; its wait (on the compute stream) ends when it has. Programs run back to back.
     """
     world = schedule.world_size
-    clock = {"compute": 0.0, "comm": 0.0}
-    busy = {"compute": 0.0, "comm": 0.0}
-    exposed = 0.0
+    clock = {"compute": 0.0, "comm": 0.0, "io": 0.0}
+    busy = {"compute": 0.0, "comm": 0.0, "io": 0.0}
+    exposed = {"comm": 0.0, "io": 0.0}
     events: list[Event] = []
     for program in schedule.programs:
         start_of_program = max(clock.values())
-        clock = {"compute": start_of_program, "comm": start_of_program}
+        clock = {stream: start_of_program for stream in clock}
+        stream_of: dict[str, str] = {}
         end: dict[str, float] = {}
         by_index: list[float] = []
         names = [i.name for i in program.instructions]
         for idx, ins in enumerate(program.instructions):
             waited = ins.reads[0] if ins.kind == "wait" and ins.reads else None
             ready = max((by_index[d] for d in ins.deps if names[d] != waited), default=start_of_program)
-            if ins.kind in COLLECTIVES:
-                # Issued by the compute stream in program order, carried out by the comm stream.
-                begin = max(clock["comm"], ready, clock["compute"])
-                duration = cost.collective_seconds(ins.kind if ins.kind in cost.links else "all_gather", ins.bytes, world)
-                stream = "comm"
+            if ins.kind in COLLECTIVES or ins.kind in IO:
+                # Issued by the compute stream in program order, carried out by the comm stream
+                # (collectives) or the io stream (transfers to and from storage tiers).
+                stream = "comm" if ins.kind in COLLECTIVES else "io"
+                begin = max(clock[stream], ready, clock["compute"])
+                if stream == "comm":
+                    duration = cost.collective_seconds(ins.kind if ins.kind in cost.links else "all_gather", ins.bytes, world)
+                else:
+                    duration = cost.io_seconds(ins)
+                stream_of[ins.name] = stream
             else:
                 begin = max(clock["compute"], ready)
                 duration = cost.compute_seconds(ins)
@@ -185,7 +221,7 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
                 if waited is not None:
                     collective_end = end.get(waited, begin)
                     if collective_end > begin:
-                        exposed += collective_end - begin
+                        exposed[stream_of.get(waited, "comm")] += collective_end - begin
                         begin = collective_end
             finish = begin + duration
             clock[stream] = finish
@@ -197,9 +233,11 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
         step_seconds=max(clock.values()),
         compute_seconds=busy["compute"],
         comm_seconds=busy["comm"],
-        exposed_comm_seconds=exposed,
+        exposed_comm_seconds=exposed["comm"],
         peak_gathered_bytes=schedule.peak_gathered_bytes,
         events=tuple(events),
+        io_seconds=busy["io"],
+        exposed_io_seconds=exposed["io"],
     )
 
 

@@ -200,6 +200,8 @@ GPT_SIZES: dict[str, GPTConfig] = {
     # GPT-2 small (~124M) with a shorter context.
     "gpt2": GPTConfig(vocab_size=50257, d_model=768, n_heads=12, n_blocks=12, seq_len=256),
     "1b": GPTConfig(vocab_size=32000, d_model=2048, n_heads=16, n_blocks=24, seq_len=128),
+    # ~2.1B: 16 bytes per parameter of model states (34 GB) exceed a 24 GiB machine's memory.
+    "2b": GPTConfig(vocab_size=32000, d_model=2560, n_heads=20, n_blocks=26, seq_len=128),
 }
 """Named GPT shapes for `gpt(size)`."""
 
@@ -208,7 +210,7 @@ def gpt(size: str, **overrides) -> GPT:
     """Build a GPT of a named size.
 
     Args:
-        size: One of `GPT_SIZES` ("tiny", "small", "gpt2", "1b").
+        size: One of `GPT_SIZES` ("tiny", "small", "gpt2", "1b", "2b").
         **overrides: GPTConfig fields to change, e.g. `n_blocks=2`.
 
     Raises:
@@ -503,6 +505,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "gpt-small": lambda **kw: gpt("small", **kw),
     "gpt2": lambda **kw: gpt("gpt2", **kw),
     "gpt-1b": lambda **kw: gpt("1b", **kw),
+    "gpt-2b": lambda **kw: gpt("2b", **kw),
     "llama-tiny": lambda **kw: llama("tiny", **kw),
     "llama-small": lambda **kw: llama("small", **kw),
     "llama-7b": lambda **kw: llama("7b", **kw),
@@ -518,7 +521,7 @@ def build(name: str, **overrides) -> nn.Module:
     allocates nothing.
 
     Args:
-        name: One of `MODELS`: "gpt-tiny", "gpt-small", "gpt2", "gpt-1b", "llama-tiny",
+        name: One of `MODELS`: "gpt-tiny", "gpt-small", "gpt2", "gpt-1b", "gpt-2b", "llama-tiny",
             "llama-small", "llama-7b", "cnn".
         **overrides: Fields of the model's config to change, e.g. `build("gpt-tiny", n_blocks=2)`.
 

@@ -47,7 +47,13 @@ def _nvme_dir(placement: Nvme, rank: int) -> str:
             "permissions or choose another directory"
         )
     path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}")
-    os.makedirs(path, exist_ok=False)
+    try:
+        os.makedirs(path, exist_ok=False)
+    except OSError as e:
+        raise ValueError(
+            f"[rank {rank}] Nvme(path={placement.path!r}): cannot create this rank's directory there "
+            f"({e.strerror or e}); choose a writable directory on the fast disk"
+        ) from e
     return path
 
 
@@ -116,9 +122,11 @@ class OffloadStore:
             try:
                 tier.reserve(total)
             except ValueError as e:
+                self.close()  # leave nothing behind
+                where = placement.path if isinstance(placement, Nvme) else "host memory"
                 raise ValueError(
-                    f"[rank {self.rank}] not enough room for the offloaded model states on {placement!r} "
-                    f"({total} bytes for {_local_ranks()} rank(s) on this machine): {e}"
+                    f"[rank {self.rank}] not enough room for the offloaded model states in {where}: "
+                    f"{total} bytes needed for {_local_ranks()} rank(s) on this machine. {e}"
                 ) from None
 
     @staticmethod

@@ -231,7 +231,7 @@ def test_gathered_buffer_never_freed_is_rejected(mlp3):
     fwd = mlp3.program("forward")
     free = _index(fwd, "free", 1)
     broken = _with_program(mlp3, _rebuild(fwd, [i for i in range(len(fwd.instructions)) if i != free]))
-    with pytest.raises(ScheduleError, match=r"forward program: gathered buffers \['wait_default_1'\] are never"):
+    with pytest.raises(ScheduleError, match=r"forward program: gathered or fetched buffers \['wait_default_1'\] are never"):
         validate(broken)
 
 

@@ -1,0 +1,130 @@
+"""An engine with offloaded states fails clearly on a bad disk, before training or at the bad read.
+
+One process (a world of one): nvme_path missing, not writable, or on a disk too small for the
+states is a ValueError from `fxzero.compile` naming the path and the bytes; a state file
+truncated, changed or deleted underneath is an IOError at its next read naming the key and the
+file, raised before any value from it reaches the model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxzero
+from fxzero import zoo
+from fxzero.runtime import offload as offload_module
+from fxzero.runtime.storage import ALIGN
+
+
+def _nvme_config(path, **kw) -> fxzero.Config:
+    place = fxzero.Nvme(path=str(path))
+    return fxzero.Config(offload=fxzero.Offload(params=place, optimizer=place, **kw), cost_model=None)
+
+
+def _engine(config: fxzero.Config):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny")
+    return fxzero.compile(model, config), model.example_inputs()
+
+
+def _train_step(engine, inputs) -> float:
+    logits = engine(*inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), inputs[0].flatten())
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_missing_nvme_path(tmp_path):
+    with pytest.raises(ValueError, match=r"\[rank 0\] Nvme\(path=.*nope.*\): no such directory; create it"):
+        _engine(_nvme_config(tmp_path / "nope"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a filesystem where no one can create directories")
+def test_unwritable_nvme_path():
+    # /proc refuses new directories even to root (which chmod would not stop).
+    with pytest.raises(ValueError, match=r"\[rank 0\] Nvme\(path='/proc'\).*(cannot create|not writable)"):
+        _engine(_nvme_config("/proc"))
+
+
+def test_disk_too_small_is_refused_before_training(tmp_path, monkeypatch):
+    real = shutil.disk_usage
+
+    def tiny(path):
+        return real(path)._replace(free=100_000)
+
+    monkeypatch.setattr(shutil, "disk_usage", tiny)
+    with pytest.raises(ValueError) as info:
+        _engine(_nvme_config(tmp_path))
+    msg = str(info.value)
+    assert "[rank 0] not enough room" in msg and "only 100000 free" in msg, msg
+    # gpt-tiny: parameters, gradients and both moments of 54,080 fp32 parameters in 5 units,
+    # each file a 4096-byte header plus data padded to 4096.
+    needed = int(re.search(r"(\d+) bytes needed", msg).group(1))
+    assert needed > 4 * 54_080 * 4, msg
+    assert os.listdir(tmp_path) == [], "nothing may be written when the states do not fit"
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+def test_state_changed_underneath_is_detected(tmp_path, how):
+    engine, inputs = _engine(_nvme_config(tmp_path))
+    _train_step(engine, inputs)
+    steps_before = {unit: state.step for unit, state in engine._optim.items()}
+    (rank_dir,) = os.listdir(tmp_path)
+    victim = os.path.join(tmp_path, rank_dir, "param%2Fblocks.1.fxz")
+    assert os.path.exists(victim), os.listdir(os.path.join(tmp_path, rank_dir))
+    if how == "truncate":
+        os.truncate(victim, os.path.getsize(victim) - ALIGN)
+    elif how == "flip":
+        with open(victim, "r+b") as f:
+            f.seek(ALIGN + 5)
+            b = f.read(1)
+            f.seek(ALIGN + 5)
+            f.write(bytes([b[0] ^ 0x01]))
+    else:
+        os.unlink(victim)
+    expected = {"truncate": "expected .* bytes on disk", "flip": "checksum mismatch", "delete": "file is missing"}[how]
+    with pytest.raises(IOError, match=rf"NvmeTier key 'param/blocks.1', file .*: {expected}"):
+        _train_step(engine, inputs)
+    # The bad read stopped the forward: no unit took another optimizer step.
+    assert {unit: state.step for unit, state in engine._optim.items()} == steps_before == {
+        unit: 1 for unit in steps_before
+    }
+    engine.close()
+
+
+def test_close_removes_files(tmp_path):
+    engine, inputs = _engine(_nvme_config(tmp_path))
+    _train_step(engine, inputs)
+    assert len(os.listdir(tmp_path)) == 1
+    engine.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_params_offload_needs_stage3(tmp_path):
+    with pytest.raises(ValueError, match="needs stage=3"):
+        fxzero.Config(stage=2, offload=fxzero.Offload(params=fxzero.Cpu()))
+
+
+def test_deepspeed_offload_keys(tmp_path):
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        }
+    }
+    cfg = fxzero.Config.from_deepspeed(ds)
+    assert cfg.offload.params == fxzero.Nvme(path=str(tmp_path), threads=5)
+    assert cfg.offload.optimizer == fxzero.Cpu(pin_memory=True)
+    assert cfg.offload.grads_placement == fxzero.Cpu(pin_memory=True)
+    with pytest.raises(ValueError, match='needs "nvme_path"'):
+        fxzero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(ValueError, match='must be "none", "cpu" or "nvme"'):
+        fxzero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
