@@ -226,7 +226,8 @@ def _gathered_root(node: fx.Node) -> Optional[fx.Node]:
         node = src
 
 
-def _instruction(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
+def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction:
+    """The instruction a node of a program becomes (kind, stream, bytes, FLOPs; no deps yet)."""
     meta = node.meta.get("fxzero", {})
     k = meta.get("kind")
     unit = meta.get("unit")
@@ -313,7 +314,7 @@ def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedul
     index = {n: i for i, n in enumerate(order)}
     instructions = []
     for n in order:
-        ins = _instruction(n, layouts)
+        ins = instruction_of(n, layouts)
         instructions.append(dataclasses.replace(ins, deps=tuple(sorted(index[d] for d in deps[n]))))
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     out = next(n for n in graph.nodes if n.op == "output")

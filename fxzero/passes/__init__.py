@@ -37,6 +37,6 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     tiers = config.offload.tiers()
     if "param" in tiers or "grad" in tiers:
         passes.append(offload.make(params=tiers.get("param"), grads=tiers.get("grad"),
-                                   lookahead=config.offload.lookahead))
+                                   lookahead=config.offload.lookahead, cost_model=cost_model))
     passes.append(split.PASS)
     return passes

@@ -10,10 +10,11 @@ After (the shard is read from its tier ahead of the gather, and released once ga
     ...
     s1 = wait(f1); ag1 = all_gather(s1); ...; w1 = wait(ag1); free(s1); ...block 1...; free(w1)
 
-The fetch of a unit's shard is issued right before the gather `lookahead` places earlier in the
-same phase (right before its own gather for the phase's first units), so it has that much
-compute to hide behind, and at most `lookahead + 1` fetched shards are in memory at once. The
-simulator (`fxzero.cost.simulate`, io stream) shows whether that lead hides the reads.
+The fetch of a unit's shard is issued right before an earlier gather of the same phase (right
+before its own gather for the phase's first unit): `lookahead` gathers back, or, with a cost
+model, the nearest one (at least one back, at most `lookahead`) whose predicted compute up to
+this gather covers the predicted read. At most `lookahead + 1` fetched shards are in memory at
+once. The simulator (`fxzero.cost.simulate`, io stream) shows whether the lead hides the reads.
 
 Gradients (when gradient shards live on a tier). Before::
 
@@ -37,6 +38,7 @@ import torch.fx as fx
 from fxzero.ops import OPS
 from fxzero.passes.analysis import is_kind, output_node, phase, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
+from fxzero.schedule import Instruction, instruction_of
 
 REQUIRES = frozenset({"params_gathered", "grads_reduced"})
 PROVIDES = frozenset({"offloaded"})
@@ -47,17 +49,51 @@ def _gather_wait(gather: fx.Node) -> fx.Node:
     return wait
 
 
-def _fetch_params(graph: fx.Graph, tier: str, lookahead: int) -> int:
+def _compute_seconds(graph: fx.Graph, ctx: PassContext, cost_model) -> dict[fx.Node, float]:
+    """Predicted compute time of each node (0 for everything but compute)."""
+    layouts = {lay.name: lay for lay in ctx.layouts}
+    out = {}
+    for n in graph.nodes:
+        ins = instruction_of(n, layouts) if n.op == "call_function" else None
+        out[n] = cost_model.compute_seconds(ins) if ins is not None and ins.kind == "compute" else 0.0
+    return out
+
+
+def _lead(same_phase: list[fx.Node], lookahead: int, read_s: float, seconds, order) -> fx.Node:
+    """The gather to issue the fetch before: the nearest earlier one (at least one back, at most
+    `lookahead`) whose compute up to this gather covers the read; without prices, `lookahead` back."""
+    k = len(same_phase) - 1
+    if seconds is None or lookahead == 0:
+        return same_phase[max(0, k - lookahead)]
+    nodes = list(order)
+    position = {n: i for i, n in enumerate(nodes)}
+    for back in range(1, lookahead + 1):
+        if k - back < 0:
+            return same_phase[0]
+        lo, hi = position[same_phase[k - back]], position[same_phase[k]]
+        if sum(seconds.get(n, 0.0) for n in nodes[lo:hi]) >= read_s:
+            return same_phase[k - back]
+    return same_phase[max(0, k - lookahead)]
+
+
+def _fetch_params(graph: fx.Graph, ctx: PassContext, tier: str, lookahead: int, cost_model) -> int:
     gathers = [n for n in graph.nodes if is_kind(n, "all_gather")]
+    seconds = _compute_seconds(graph, ctx, cost_model) if cost_model is not None else None
     fetched = 0
     for i, gather in enumerate(gathers):
         unit_node = gather.args[0]
         if not (isinstance(unit_node, fx.Node) and is_kind(unit_node, "unit")):
             continue
         unit, which = gather.meta["fxzero"]["unit"], phase(gather)
-        # Issue point: the gather `lookahead` places earlier in this phase, or the phase's first node.
+        layout = ctx.layout(unit)
+        read_s = 0.0
+        if cost_model is not None:
+            probe = Instruction(name="", kind="fetch", stream="io", algorithm=tier,
+                                bytes=layout.shard_numel * layout.itemsize)
+            read_s = cost_model.io_seconds(probe)
+        # Issue point: an earlier gather of this phase (see _lead), or right before its own.
         same_phase = [g for g in gathers[: i + 1] if phase(g) == which]
-        anchor = same_phase[max(0, len(same_phase) - 1 - lookahead)]
+        anchor = _lead(same_phase, lookahead, read_s, seconds, graph.nodes)
         with graph.inserting_before(anchor):
             start = graph.call_function(OPS["fetch"], (unit_node, unit, "param"))
         with graph.inserting_before(gather):
@@ -102,9 +138,9 @@ def _offload_grads(graph: fx.Graph, tier: str, lookahead: int) -> int:
 
 
 def offload_pass(gm: fx.GraphModule, ctx: PassContext, *, params: Optional[str], grads: Optional[str],
-                 lookahead: int) -> PassResult:
+                 lookahead: int, cost_model=None) -> PassResult:
     graph = gm.graph
-    fetched = _fetch_params(graph, params, lookahead) if params else 0
+    fetched = _fetch_params(graph, ctx, params, lookahead, cost_model) if params else 0
     written = _offload_grads(graph, grads, lookahead) if grads else 0
     return PassResult(
         gm,
@@ -114,11 +150,12 @@ def offload_pass(gm: fx.GraphModule, ctx: PassContext, *, params: Optional[str],
     )
 
 
-def make(*, params: Optional[str], grads: Optional[str], lookahead: int) -> Pass:
-    """`params` / `grads`: the tier name each lives on, or None when on the device."""
+def make(*, params: Optional[str], grads: Optional[str], lookahead: int, cost_model=None) -> Pass:
+    """`params` / `grads`: the tier name each lives on, or None when on the device; `cost_model`
+    (optional) prices reads and compute, so a fetch leads its gather by no more than it needs."""
     return Pass(
         "offload",
-        functools.partial(offload_pass, params=params, grads=grads, lookahead=lookahead),
+        functools.partial(offload_pass, params=params, grads=grads, lookahead=lookahead, cost_model=cost_model),
         requires=REQUIRES,
         provides=PROVIDES,
     )

@@ -1,0 +1,175 @@
+"""The offload pass and the step program with offloaded states, on compiled schedules (one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxzero
+from fxzero import zoo
+from fxzero.cost import PRESETS, Link, simulate
+
+NVME = fxzero.Nvme(path="/tmp")
+
+
+def _compile(offload: fxzero.Offload, world_size: int = 2, cost_model=None, **config):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny", n_blocks=6)
+    cfg = fxzero.Config(offload=offload, cost_model=cost_model, **config)
+    return fxzero.compile_program(model, model.example_inputs(batch=2), cfg, world_size=world_size, cost_model=cost_model)
+
+
+def _ins(schedule, program):
+    return schedule.program(program).instructions
+
+
+def _alive_max(instructions, start_kind: str, end_of) -> int:
+    """Most values alive at once: +1 at each `start_kind`, -1 where `end_of(ins)` names one."""
+    alive, most = set(), 0
+    for ins in instructions:
+        if ins.kind == start_kind:
+            alive.add(ins.name)
+        ended = end_of(ins)
+        if ended is not None:
+            alive.discard(ended)
+        most = max(most, len(alive))
+    return most
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [None, fxzero.Prefetch()], ids=["noprefetch", "prefetch"])
+def test_every_gather_reads_a_fetched_shard_freed_after_the_gather(lookahead, prefetch):
+    schedule = _compile(fxzero.Offload(params=NVME, lookahead=lookahead), prefetch=prefetch).schedule
+    for program in ("forward", "backward"):
+        instructions = _ins(schedule, program)
+        index = {i.name: n for n, i in enumerate(instructions)}
+        by_name = {i.name: i for i in instructions}
+        gathers = [i for i in instructions if i.kind == "all_gather"]
+        assert gathers
+        for g in gathers:
+            (shard,) = g.reads
+            fetch = by_name[by_name[shard].reads[0]]
+            assert fetch.kind == "fetch" and fetch.unit == g.unit and fetch.state == "param"
+            assert fetch.stream == "io" and fetch.algorithm == "nvme"
+            gather_wait = next(i for i in instructions if i.kind == "wait" and i.reads == (g.name,))
+            (free,) = [i for i in instructions if i.kind == "free" and i.reads == (shard,)]
+            assert index[gather_wait.name] < index[free.name]
+            assert index[gather_wait.name] in by_name[free.name].deps
+        # At most lookahead + 1 fetched shards in memory at once (fetch to free), plus one per
+        # gather that prefetch keeps in flight (a shard is released when its gather is done).
+        waits = {i.name: i.reads[0] for i in instructions if i.kind == "wait"}
+        fetch_of_free = lambda i: waits.get(i.reads[0]) if i.kind == "free" else None  # noqa: E731
+        gathers_in_flight = _alive_max(instructions, "all_gather", lambda i: waits.get(i.name))
+        assert _alive_max(instructions, "fetch", fetch_of_free) <= lookahead + gathers_in_flight
+
+
+def test_fetch_leads_its_gather_by_lookahead_gathers():
+    schedule = _compile(fxzero.Offload(params=NVME, lookahead=2)).schedule
+    instructions = _ins(schedule, "forward")
+    order = [(i.kind, i.unit) for i in instructions if i.kind in ("fetch", "all_gather")]
+    gathers = [u for k, u in order if k == "all_gather"]
+    for n, unit in enumerate(gathers):
+        position = order.index(("fetch", unit))
+        gathers_before = sum(1 for k, _ in order[:position] if k == "all_gather")
+        assert gathers_before == max(0, n - 2), (unit, order)
+
+
+def test_cost_model_shortens_the_lead_when_reads_are_fast():
+    fast = dataclasses.replace(PRESETS["cpu-loopback"], io={"nvme_read": Link(bandwidth=1e15)})
+    slow = dataclasses.replace(PRESETS["cpu-loopback"], io={"nvme_read": Link(bandwidth=1e3)})
+
+    def leads(cost_model):
+        order = [(i.kind, i.unit) for i in _ins(_compile(fxzero.Offload(params=NVME, lookahead=3), cost_model=cost_model).schedule, "forward")
+                 if i.kind in ("fetch", "all_gather")]
+        gathers = [u for k, u in order if k == "all_gather"]
+        out = []
+        for n, unit in enumerate(gathers):
+            position = order.index(("fetch", unit))
+            out.append(n - sum(1 for k, _ in order[:position] if k == "all_gather"))
+        return out
+
+    assert max(leads(fast)) == 1  # one gather back always suffices
+    assert leads(slow)[3:] == [3] * (len(leads(slow)) - 3)  # as far as lookahead allows
+
+
+def test_gradients_are_written_out_and_bounded_in_flight():
+    schedule = _compile(fxzero.Offload(optimizer=NVME, lookahead=1)).schedule
+    backward = schedule.program("backward")
+    by_name = {i.name: i for i in backward.instructions}
+    offloads = [i for i in backward.instructions if i.kind == "offload"]
+    trainable = [u.name for u in schedule.units if u.trainable]
+    assert sorted(i.unit for i in offloads) == sorted(trainable)
+    assert all(i.state == "grad" and by_name[i.reads[0]].kind == "wait" for i in offloads)
+    # The program returns a token per unit: the waits of the writes.
+    assert [by_name[o].kind for o in backward.outputs] == ["wait"] * len(trainable)
+    assert all(by_name[by_name[o].reads[0]].kind == "offload" for o in backward.outputs)
+    waits = {i.name: i.reads[0] for i in backward.instructions if i.kind == "wait"}
+    assert _alive_max(backward.instructions, "offload", lambda i: waits.get(i.name)) <= 2
+    # No parameter fetches when only the optimizer (and so the gradients) are offloaded.
+    assert not [i for p in ("forward", "backward") for i in _ins(schedule, p) if i.kind == "fetch"]
+
+
+def test_step_program_streams_units_through_memory():
+    lookahead = 1
+    schedule = _compile(fxzero.Offload(params=NVME, optimizer=NVME, lookahead=lookahead)).schedule
+    step = _ins(schedule, "step")
+    by_name = {i.name: i for i in step}
+    for ins in [i for i in step if i.kind == "optim_step"]:
+        fetched = sorted(by_name[by_name[r].reads[0]].state for r in ins.reads)
+        assert fetched == ["exp_avg", "exp_avg_sq", "grad", "param"], ins
+        written = sorted(i.state for i in step if i.kind == "offload" and i.reads == (ins.name,))
+        assert written == ["exp_avg", "exp_avg_sq", "param"]
+    # Units whose states are in memory at once (first fetch to last write waited for).
+    alive, most = set(), 0
+    waits = {i.name: i.reads[0] for i in step if i.kind == "wait"}
+    pending_writes: dict[str, int] = {}
+    for ins in step:
+        if ins.kind == "fetch":
+            alive.add(ins.unit)
+        if ins.kind == "offload":
+            pending_writes[ins.unit] = pending_writes.get(ins.unit, 0) + 1
+        if ins.kind == "wait" and by_name[waits[ins.name]].kind == "offload":
+            pending_writes[ins.unit] -= 1
+            if pending_writes[ins.unit] == 0:
+                alive.discard(ins.unit)
+        most = max(most, len(alive))
+    assert most <= 2 * lookahead + 1, most
+
+
+def test_persistent_units_keep_their_parameters_resident():
+    schedule = _compile(fxzero.Offload(params=NVME, optimizer=NVME), persist_threshold=5000).schedule
+    assert schedule.persistent == ("root",)
+    step_fetches = {(i.unit, i.state) for i in _ins(schedule, "step") if i.kind == "fetch"}
+    assert ("root", "exp_avg") in step_fetches and ("root", "param") not in step_fetches
+    assert ("blocks.0", "param") in step_fetches
+    for program in schedule.programs:
+        for ins in program.instructions:
+            if ins.kind in ("fetch", "offload") and ins.state == "param":
+                assert ins.unit not in schedule.persistent
+
+
+def test_io_is_rank_local_and_not_in_the_fingerprint():
+    device = _compile(fxzero.Offload()).schedule
+    offloaded = _compile(fxzero.Offload(params=NVME, optimizer=NVME)).schedule
+    # The collective sequence is the same; only local transfers were added.
+    assert [(p, i.kind, i.unit) for p, i in device.collectives()] == [(p, i.kind, i.unit) for p, i in offloaded.collectives()]
+
+
+def test_simulator_prices_io_and_lead_hides_it():
+    slow_disk = dataclasses.replace(PRESETS["cpu-loopback"], io={"nvme_read": Link(bandwidth=2e7), "nvme_write": Link(bandwidth=2e7)})
+    none = simulate(_compile(fxzero.Offload(params=NVME, lookahead=0)).schedule, slow_disk)
+    ahead = simulate(_compile(fxzero.Offload(params=NVME, lookahead=2)).schedule, slow_disk)
+    assert none.io_seconds > 0 and ahead.io_seconds == pytest.approx(none.io_seconds)
+    assert ahead.exposed_io_seconds < none.exposed_io_seconds
+    device = simulate(_compile(fxzero.Offload()).schedule, slow_disk)
+    assert device.io_seconds == 0 and device.exposed_io_seconds == 0
+
+
+def test_schedule_json_round_trip_keeps_io():
+    from fxzero.schedule import Schedule
+
+    schedule = _compile(fxzero.Offload(params=NVME, optimizer=NVME)).schedule
+    again = Schedule.loads(schedule.dumps())
+    assert again == schedule
