@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 
 from fxzero.passes.analysis import kind as kind_of
 from fxzero.runtime.comm import Comm, Pending
+from fxzero.runtime.storage import aligned_empty
 from fxzero.schedule import Instruction, ProgramSchedule
 
 if TYPE_CHECKING:
@@ -134,11 +135,14 @@ class ProgramRunner:
         if kind == "reduce_scatter":
             src, keep_full = node.args[0].name, bool(node.args[3])
             via_all_reduce = ins.algorithm == "all_reduce"
+            offloaded = any(kind_of(u) == "offload" for w in node.users for u in w.users)
 
             def reduce_scatter(env: dict) -> Pending:
                 flat = env[src]
                 n = flat.numel() // self.comm.world_size
-                pending = self.comm.reduce_scatter(flat.new_empty(n), flat, via_all_reduce=via_all_reduce)
+                # An offloaded gradient shard is written to NVMe straight from an aligned buffer.
+                out = aligned_empty(n, flat.dtype) if offloaded and flat.device.type == "cpu" else flat.new_empty(n)
+                pending = self.comm.reduce_scatter(out, flat, via_all_reduce=via_all_reduce)
                 if not keep_full:
                     return pending
                 # ZeRO-1: the averaged shard goes back into this rank's slice of the full buffer,
@@ -179,11 +183,10 @@ class ProgramRunner:
 
             def free(env: dict) -> None:
                 buf = env[src.name]
-                nbytes = buf.untyped_storage().nbytes()
-                if staged:
-                    self.memory.stage(-nbytes)
+                if staged:  # counted by its tensor's bytes, as the fetch counted it
+                    self.memory.stage(-buf.numel() * buf.element_size())
                 else:
-                    self.memory.add(-nbytes)
+                    self.memory.add(-buf.untyped_storage().nbytes())
                 buf.untyped_storage().resize_(0)
 
             return free

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from fxzero.config import STATE_KINDS, Cpu, Nvme, Offload, Placement
-from fxzero.runtime.storage import ALIGN, CpuTier, NvmeTier, Pending, StorageTier
+from fxzero.runtime.storage import ALIGN, CpuTier, NvmeTier, Pending, StorageTier, aligned_empty
 
 __all__ = ["OffloadStore"]
 
@@ -145,7 +145,8 @@ class OffloadStore:
         key = self.key(kind, unit)
         tier = self.tier(kind)
         if kind in ("exp_avg", "exp_avg_sq") and key not in tier:
-            return Pending(None, torch.zeros(numel, dtype=dtype))
+            # Aligned, so that writing it back needs no staging copy (storage: [Note: in place]).
+            return Pending(None, aligned_empty(numel, dtype).zero_())
         return tier.read(key)
 
     def write(self, kind: str, unit: str, value: torch.Tensor) -> Pending:

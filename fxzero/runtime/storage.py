@@ -38,6 +38,12 @@ with EINVAL at open: with `direct="auto"` the tier probes once at construction, 
 buffered I/O and records why in `direct_fallback` (shown by `report()`); `direct=True` makes
 that an error instead, and `direct=False` never tries.
 
+[Note: in place]
+A tensor whose data starts on a 4096-byte boundary, with its storage running on to the padded
+length, is read into and written from directly (no staging copy; `_direct_view`). Reads without
+`out` allocate such tensors (`aligned_empty`), so a state fetched from this tier, updated in
+place and written back never passes through a staging buffer. Other tensors are staged.
+
 [Note: ordering per key]
 Operations on one key run in the order they were issued: each task first waits for the previous
 task on the same key. That cannot deadlock: the pool runs tasks first-in first-out, so the
@@ -63,7 +69,7 @@ from typing import Literal, NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["CpuTier", "DeviceTier", "NvmeTier", "Pending", "StorageTier"]
+__all__ = ["CpuTier", "DeviceTier", "NvmeTier", "Pending", "StorageTier", "aligned_empty"]
 
 ALIGN = 4096
 """Alignment of staging buffers, file offsets and write lengths (see [Note: O_DIRECT])."""
@@ -294,6 +300,29 @@ def _aligned_buffer(nbytes: int) -> _Staging:
     return _Staging(tensor, view, owner)
 
 
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized flat tensor whose data starts on an ALIGN boundary and whose storage
+    extends to a multiple of ALIGN past it, so O_DIRECT can read and write it in place."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    owner = torch.empty(_round_up(nbytes) + ALIGN, dtype=torch.uint8)
+    offset = -owner.data_ptr() % ALIGN
+    return owner[offset : offset + nbytes].view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+
+
+def _direct_view(t: torch.Tensor) -> Optional[memoryview]:
+    """A writable byte view of t's data padded to ALIGN, if t can be used for O_DIRECT in place
+    (data aligned, and its storage extends to the padded length); else None."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0 or t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % ALIGN:
+        return None
+    storage = t.untyped_storage()
+    available = storage.data_ptr() + storage.nbytes() - t.data_ptr()
+    padded = _round_up(nbytes)
+    if available < padded:
+        return None
+    return memoryview((ctypes.c_char * padded).from_address(t.data_ptr())).cast("B")
+
+
 class NvmeTier(StorageTier):
     """Tensors in files under `path`, one file per key; see [Note: NVMe file layout].
 
@@ -441,6 +470,9 @@ class NvmeTier(StorageTier):
         data = _as_bytes(src)
         nbytes = data.numel()
         path = self.file(key)
+        # [Note: in place] A tensor whose data is aligned (e.g. one this tier read, see
+        # aligned_empty) is written straight from its memory; others go through a staging buffer.
+        direct = _direct_view(src) if self.direct else None
         stage = self._staging.get()
         try:
             fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -449,8 +481,12 @@ class NvmeTier(StorageTier):
                 block = self.block_bytes
                 for off in range(0, nbytes, block):
                     n = min(block, nbytes - off)
-                    stage.tensor[:n].copy_(data[off : off + n])
                     padded = _round_up(n)
+                    if direct is not None:
+                        crc = zlib.crc32(direct[off : off + n], crc)
+                        self._pwrite_all(fd, direct[off : off + padded], ALIGN + off, key, path)
+                        continue
+                    stage.tensor[:n].copy_(data[off : off + n])
                     if padded > n:
                         stage.tensor[n:padded].zero_()
                     crc = zlib.crc32(stage.view[:n], crc)
@@ -493,9 +529,11 @@ class NvmeTier(StorageTier):
         start = time.perf_counter()
         rec = self._record(key)  # after the write that made it (see [Note: ordering per key])
         if out is None:
-            out = torch.empty(rec.shape, dtype=rec.dtype)
+            numel = rec.nbytes // torch.empty((), dtype=rec.dtype).element_size()
+            out = aligned_empty(numel, rec.dtype).view(rec.shape)  # see [Note: in place]
         self._check_out(key, rec, out)
         dest = _as_bytes(out)
+        direct = _direct_view(out) if self.direct else None
         path = self.file(key)
         want_size = ALIGN + _round_up(rec.nbytes)
         stage = self._staging.get()
@@ -515,6 +553,10 @@ class NvmeTier(StorageTier):
                 block = self.block_bytes
                 for off in range(0, rec.nbytes, block):
                     n = min(block, rec.nbytes - off)
+                    if direct is not None:
+                        self._pread_all(fd, direct[off : off + _round_up(n)], ALIGN + off, key, path)
+                        crc = zlib.crc32(direct[off : off + n], crc)
+                        continue
                     self._pread_all(fd, stage.view[: _round_up(n)], ALIGN + off, key, path)
                     crc = zlib.crc32(stage.view[:n], crc)
                     dest[off : off + n].copy_(stage.tensor[:n])

@@ -325,3 +325,40 @@ def test_cuda_tensors_through_every_tier(tmp_path):
         if name == "device":
             assert tier.read("k").wait().is_cuda
         tier.close()
+
+
+# -- in place: aligned tensors skip the staging copy ----------------------------------------------
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_reads_are_aligned_and_aligned_tensors_round_trip_in_place(nvme, numel):
+    from fxzero.runtime.storage import _direct_view, aligned_empty
+
+    x = aligned_empty(numel, torch.float32)
+    x.copy_(_tensor(numel, torch.float32, seed=numel))
+    assert numel == 0 or (x.data_ptr() % ALIGN == 0 and _direct_view(x) is not None)
+    nvme.write("k", x).wait()
+    got = nvme.read("k").wait()
+    assert torch.equal(got, x)
+    if numel:
+        assert got.data_ptr() % ALIGN == 0, "reads without out= come back aligned for in-place reuse"
+        got.mul_(2)  # updated in place, written back straight from its memory
+        nvme.write("k", got).wait()
+        assert torch.equal(nvme.read("k").wait(), x * 2)
+    if numel * 4 > 17:  # _corrupt flips data byte 17
+        _corrupt(nvme, "k", "flip")
+        with pytest.raises(IOError, match="checksum mismatch"):
+            nvme.read("k").wait()
+
+
+def test_unaligned_views_are_staged(nvme):
+    from fxzero.runtime.storage import _direct_view, aligned_empty
+
+    base = aligned_empty(5000, torch.float32)
+    assert _direct_view(base[1:]) is None  # data not on a 4096 boundary
+    assert _direct_view(base[: 1024 + 1][:1025]) is not None
+    tight = torch.empty(1024 + 1)  # storage may end before the padded length
+    if tight.data_ptr() % ALIGN == 0:
+        assert _direct_view(tight) is None or tight.untyped_storage().nbytes() >= 8192
+    nvme.write("v", base[1:]).wait()
+    assert torch.equal(nvme.read("v").wait(), base[1:])
