@@ -107,11 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", default=None,
                    help="directory on the disk to train from (default: a new folder under /var/tmp)")
-    p.add_argument("--model", default="gpt-2b", help="zoo model (default gpt-2b, 2.13e9 parameters)")
+    p.add_argument("--model", default="gpt-2b", help="zoo model (default gpt-2b, 2.21e9 parameters)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=1, help="sequences per step (one repeated batch)")
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     p.add_argument("--io-threads", type=int, default=4, help="NVMe I/O workers (operations in flight)")
     p.add_argument("--dd-bytes", type=float, default=4 * GiB, help="size of the dd-style probe file")
