@@ -186,6 +186,9 @@ class Nvme:
 
 Placement = Union[Device, Cpu, Nvme]
 
+STATE_KINDS = ("param", "grad", "exp_avg", "exp_avg_sq")
+"""The per-unit states a placement applies to: parameter shard, gradient shard, AdamW's moments."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Offload:
@@ -237,9 +240,9 @@ class Offload:
     def offloaded(self, kind: str) -> bool:
         return not isinstance(self.placement(kind), Device)
 
-    @property
-    def any(self) -> bool:
-        return any(self.offloaded(k) for k in ("param", "grad", "exp_avg"))
+    def tiers(self) -> dict[str, str]:
+        """State kind -> tier name, for the states placed off the device."""
+        return {k: self.placement(k).tier for k in STATE_KINDS if self.offloaded(k)}
 
 
 def _placement_from_deepspeed(section: dict[str, Any], key: str) -> Placement:
