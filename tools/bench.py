@@ -24,6 +24,15 @@ interface's byte counter says what gloo actually sent (tools/bench/commcount.py)
 
 DeepSpeed ZeRO-Infinity (`--systems ds-zero3-offload-nvme`) is off by default: it needs libaio
 and a 3-minute JIT build (`BENCH_NVME=1 bash scripts/bench-env.sh`).
+
+Offload side by side: fxzero-offload-cpu / fxzero-offload-nvme place parameters and optimizer
+states as ds-zero3-offload-cpu / ds-zero3-offload-nvme do; the summary compares each with
+fxzero on the device and with DeepSpeed at the same placement. NVMe files go under
+$BENCH_NVME_DIR (default: the temporary directory), in a folder removed after each run. Where
+DeepSpeed's NVMe offload is I/O bound, --model gpt-1b (~1.0B parameters, micro-batch 1):
+
+    .venv-bench/bin/python tools/bench.py --model gpt-1b --rounds 1 --warmup 1 --steps 2 \
+        --systems ds-zero3-offload-nvme,fxzero-offload-nvme
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="systems: " + ", ".join(f"{n} ({s.description})" for n, s in SYSTEMS.items()),
     )
-    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="zoo GPT size (default: small, ~25M)")
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="GPT size: a zoo size or gpt-1b (~1.0B, see tools/bench/spec.py) (default: small, ~25M)")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default: 2)")
@@ -101,12 +110,10 @@ def progress(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
-def count_params(model_name: str) -> int:
-    import torch
-    from fxzero.zoo import gpt
+def count_params(spec: RunSpec) -> int:
+    from tools.bench.common import build_model
 
-    with torch.device("meta"):
-        return sum(p.numel() for p in gpt(model_name).parameters())  # tied weights once
+    return sum(p.numel() for p in build_model(spec, device="meta").parameters())  # tied weights once
 
 
 def versions() -> dict[str, str]:
@@ -210,7 +217,7 @@ def main(argv=None) -> int:
     spec = RunSpec(
         **preset, world_size=args.ranks, threads=args.threads, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout
     )
-    num_params = count_params(spec.model)
+    num_params = count_params(spec)
     emit({
         "event": "config",
         "spec": dataclasses.asdict(spec),

@@ -1,6 +1,7 @@
 """What every rank does alike, whatever system it runs: model, data, timing, memory, traffic.
 
-Same model, same weights: every system builds `fxzero.zoo.gpt(spec.model)` right after
+Same model, same weights: every system builds `fxzero.zoo.gpt(spec.model)` (with the overrides
+of a benchmark-only shape, `spec.BENCH_SHAPES`) right after
 `torch.manual_seed(spec.seed)`, eagerly (fxzero builds on the meta device and is handed the
 eager model's state_dict, or initializes from the same seed; see `fxzero_engine.py`).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 import time
 from typing import Any, Optional, Protocol
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tools.bench.spec import RunSpec
+from tools.bench.spec import RunSpec, zoo_name
 
 __all__ = [
     "Trainer",
@@ -29,6 +31,8 @@ __all__ = [
     "make_batch",
     "make_optimizer",
     "lm_loss",
+    "nvme_parent",
+    "nvme_scratch",
     "peak_rss_bytes",
     "rss_bytes",
 ]
@@ -72,11 +76,30 @@ def build_model(spec: RunSpec, device: Optional[str] = None) -> nn.Module:
     """The benchmark's GPT under `torch.manual_seed(spec.seed)`; eager unless device="meta"."""
     from fxzero.zoo import gpt
 
+    size, overrides = zoo_name(spec.model)
     torch.manual_seed(spec.seed)
     if device is None:
-        return gpt(spec.model)
+        return gpt(size, **overrides)
     with torch.device(device):
-        return gpt(spec.model)
+        return gpt(size, **overrides)
+
+
+SCRATCH_ENV = "BENCH_RUN_SCRATCH"
+"""Set by the launcher for the ranks: the run's own folder under `nvme_parent()`."""
+
+
+def nvme_parent() -> str:
+    """Where NVMe offload files go: $BENCH_NVME_DIR when set (point it at a real NVMe mount),
+    else the system's temporary directory. DeepSpeed's and fxzero's NVMe systems both use it,
+    so that they compare on the same disk."""
+    return os.environ.get("BENCH_NVME_DIR") or tempfile.gettempdir()
+
+
+def nvme_scratch(prefix: str) -> str:
+    """A fresh folder for a system's NVMe offload files, inside the run's folder that the
+    launcher removes after the run (else directly under `nvme_parent()`); the caller removes
+    it when done."""
+    return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SCRATCH_ENV) or nvme_parent())
 
 
 def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:

@@ -7,10 +7,21 @@ benchmark's hyper-parameters. Options, from the system table:
 - offload None: torch's AdamW (`"torch_adam": true`; FusedAdam is CUDA only).
 - offload "cpu": optimizer states and parameters offloaded to CPU memory; the optimizer is
   DeepSpeedCPUAdam (JIT-built op cpu_adam; `scripts/bench-env.sh` warms it).
-- offload "nvme": ZeRO-Infinity, both on disk under a temporary folder (needs libaio and the
-  async_io op: `BENCH_NVME=1 bash scripts/bench-env.sh`). Two settings ANCHORS.md found
-  necessary on this CPU: `stage3_max_reuse_distance: 0`, and a parameter swap buffer sized to
-  the largest parameter partition (the default 1e8 elements costs GBs per rank).
+- offload "nvme": ZeRO-Infinity, both on disk under a fresh folder from `common.nvme_scratch`
+  ($BENCH_NVME_DIR, else the temporary directory; fxzero's NVMe system uses the same parent),
+  removed afterwards. Needs libaio and the async_io op: `BENCH_NVME=1 bash scripts/bench-env.sh`.
+  Settings this CPU needs (ANCHORS.md): fp32 swap buffers (0.19.8 picks bf16 on a CPU without
+  fp16: `_force_fp32_zero_init`), `stage3_max_reuse_distance: 0` (else "Not enough buffers 0
+  for swapping 1"), and a parameter swap buffer sized to the largest parameter partition (the
+  default 1e8 elements costs GBs per rank). `max_in_cpu: 0`, so that the parameters stay on
+  NVMe (DeepSpeed's default keeps up to 1e9 parameter elements per rank in CPU memory, which
+  would make this the cpu placement for every model here). And two for memory at ~1B parameters,
+  measured there (rank RSS otherwise passes 10 GB, two ranks do not fit in 24 GiB):
+  `sub_group_size` 5e7 (the optimizer swapper holds 4 locked buffers of the largest sub-group,
+  and a parameter reuse buffer twice its size; the default 1e9 makes a sub-group of this rank's
+  whole partition: over 10 GB at 1B parameters) and `reduce_bucket_size` 5e7 (gradients wait
+  in a bucket of that many elements before each reduce-scatter; the default 5e8 holds 2 GB).
+  Both are above the 25M model's sizes, so there they change nothing.
 
 Collectives go through deepspeed.comm -> torch.distributed, where they are counted.
 """
@@ -21,15 +32,19 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from tools.bench.commcount import CommCounter
-from tools.bench.common import build_model, lm_loss
+from tools.bench.common import build_model, lm_loss, nvme_scratch
 from tools.bench.spec import RunSpec
+
+# Elements per optimizer sub-group and per gradient bucket with NVMe offload (see the module
+# docstring): what bounds DeepSpeed's memory at ~1B parameters.
+NVME_SUB_GROUP_SIZE = 50_000_000
+NVME_REDUCE_BUCKET_SIZE = 50_000_000
 
 
 def ds_config(spec: RunSpec, offload: Optional[str], largest_param: int, nvme_path: Optional[str]) -> dict:
@@ -57,8 +72,13 @@ def ds_config(spec: RunSpec, offload: Optional[str], largest_param: int, nvme_pa
             "nvme_path": nvme_path,
             "pin_memory": False,
             "buffer_size": buffer_size,
+            # Otherwise up to 1e9 elements of parameter partitions (all of them, below ~2e9
+            # parameters on 2 ranks) are swapped in once and kept in CPU memory for good.
+            "max_in_cpu": 0,
         }
         zero["stage3_max_reuse_distance"] = 0
+        zero["sub_group_size"] = NVME_SUB_GROUP_SIZE
+        zero["reduce_bucket_size"] = NVME_REDUCE_BUCKET_SIZE
     elif offload is not None:
         raise ValueError(f"deepspeed runner: offload must be None, 'cpu' or 'nvme', got {offload!r}")
     return {
@@ -82,7 +102,7 @@ class DeepSpeedTrainer:
         offload = options.get("offload")
         self.nvme_path: Optional[str] = None
         if offload == "nvme":
-            self.nvme_path = tempfile.mkdtemp(prefix=f"bench-nvme-rank{dist.get_rank()}-")
+            self.nvme_path = nvme_scratch(f"bench-ds-nvme-rank{dist.get_rank()}-")
             _force_fp32_zero_init()
         deepspeed.init_distributed(dist_backend="gloo")
         model = build_model(spec)

@@ -10,6 +10,14 @@ Initial weights, by `init` in the system's options:
 Config knobs come from the system table (`systems.py`) as `fxzero.Config(..., **config)`; a knob
 this fxzero does not have makes the system unavailable (checked before any rank starts).
 
+Offload, by `offload` in the system's options (the placement DeepSpeed's offload systems use):
+- None (default): every state on the device.
+- "cpu": `Offload(params=Cpu(), optimizer=Cpu())`.
+- "nvme": `Offload(params=Nvme(path=DIR), optimizer=Nvme(path=DIR))`, DIR a fresh folder from
+  `common.nvme_scratch` (the parent DeepSpeed's NVMe system uses), removed after the run; the
+  engine keeps its files in its own subfolder and removes them at `engine.close()`.
+The engine's offload I/O figures are reported when it has them (`engine.io_report()`).
+
 Traffic is the engine's own `comm_report()`; the wrapped torch.distributed collectives count
 the same calls independently (reported beside it by the worker).
 """
@@ -17,25 +25,55 @@ the same calls independently (reported beside it by the worker).
 from __future__ import annotations
 
 import gc
+import inspect
+import shutil
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 import fxzero
 from tools.bench.commcount import CommCounter
-from tools.bench.common import build_model, lm_loss
+from tools.bench.common import build_model, lm_loss, nvme_scratch
 from tools.bench.spec import RunSpec
 
 COUNTED_BY = "fxzero engine.comm_report(): all_gather output + reduce_scatter input elements"
 
 
-def make_config(spec: RunSpec, config: dict[str, Any]) -> "fxzero.Config":
-    """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, **config)`.
+OFFLOADS = (None, "cpu", "nvme")
 
-    Raises TypeError (from the dataclass) for a knob this fxzero does not have.
+
+def make_offload(offload: Optional[str], nvme_path: Optional[str]) -> Optional["fxzero.Offload"]:
+    """The `fxzero.Offload` for an `offload` option: None, "cpu" or "nvme" (files under
+    `nvme_path`). None for None, so that Config keeps its default.
+
+    Raises ValueError for another option, TypeError when this fxzero has no offload API.
+    """
+    if offload not in OFFLOADS:
+        raise ValueError(f"fxzero runner: offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload is None:
+        return None
+    if not all(hasattr(fxzero, name) for name in ("Offload", "Cpu", "Nvme")):
+        raise TypeError("this fxzero has no fxzero.Offload / Cpu / Nvme (offload is not implemented)")
+    if offload == "cpu":
+        return fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu())
+    assert nvme_path is not None
+    return fxzero.Offload(params=fxzero.Nvme(path=nvme_path), optimizer=fxzero.Nvme(path=nvme_path))
+
+
+def make_config(
+    spec: RunSpec, config: dict[str, Any], offload: Optional[str] = None, nvme_path: Optional[str] = None
+) -> "fxzero.Config":
+    """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, offload=..., **config)`.
+
+    Raises TypeError (from the dataclass) for a knob this fxzero does not have, ValueError for a
+    value it rejects.
     """
     adamw = fxzero.AdamW(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
+    placement = make_offload(offload, nvme_path)
+    if placement is not None:
+        kwargs["offload"] = placement
     return fxzero.Config(**kwargs)
 
 
@@ -44,13 +82,22 @@ class FxzeroTrainer:
         init = options.get("init", "state_dict")
         if init not in ("state_dict", "seed"):
             raise ValueError(f"fxzero runner: init must be 'state_dict' or 'seed', got {init!r}")
-        config = make_config(spec, options.get("config", {}))
-        state_dict: Optional[dict[str, torch.Tensor]] = None
-        if init == "state_dict":
-            state_dict = build_model(spec).state_dict()
-        self.init = init
-        self.engine = fxzero.compile(build_model(spec, device="meta"), config, state_dict=state_dict)
-        del state_dict
+        self.offload: Optional[str] = options.get("offload")
+        self.nvme_path: Optional[str] = None
+        self.engine = None
+        if self.offload == "nvme":
+            self.nvme_path = nvme_scratch(f"bench-fxzero-nvme-rank{dist.get_rank()}-")
+        try:
+            config = make_config(spec, options.get("config", {}), self.offload, self.nvme_path)
+            state_dict: Optional[dict[str, torch.Tensor]] = None
+            if init == "state_dict":
+                state_dict = build_model(spec).state_dict()
+            self.init = init
+            self.engine = fxzero.compile(build_model(spec, device="meta"), config, state_dict=state_dict)
+            del state_dict
+        except BaseException:
+            self.close()  # the worker never sees this trainer: remove the scratch folder here
+            raise
         gc.collect()
         self.memory: dict[str, int] = {}
 
@@ -63,15 +110,34 @@ class FxzeroTrainer:
 
     def reset_counters(self) -> None:
         self.engine.comm_report(reset=True)
+        io_report = getattr(self.engine, "io_report", None)
+        if callable(io_report) and "reset" in inspect.signature(io_report).parameters:
+            io_report(reset=True)  # from here on: the timed steps' I/O only
 
     def report(self) -> dict[str, Any]:
-        return {
+        out = {
             "init": self.init,
             "num_params": self.engine.num_params,
             "engine_comm": self.engine.comm_report(),
             "engine_comm_counted_by": COUNTED_BY,
             "memory_report": self.memory,
+            "offload": self.offload,
         }
+        io_report = getattr(self.engine, "io_report", None)
+        if callable(io_report):  # fxzero with offload: bytes read and written per tier
+            out["engine_io"] = io_report()
+        return out
+
+    def close(self) -> None:
+        """Close the engine (it removes its offload files), then the scratch folder."""
+        try:
+            close = getattr(self.engine, "close", None)
+            if callable(close):
+                close()
+        finally:
+            if self.nvme_path:
+                shutil.rmtree(self.nvme_path, ignore_errors=True)
+                self.nvme_path = None
 
     def predict(self) -> dict[str, Any]:
         """The cost model's predicted step time, when fxzero has one (see `_predict`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from tools.bench.common import children_cpu_seconds, cpu_busy_seconds
+from tools.bench.common import SCRATCH_ENV, children_cpu_seconds, cpu_busy_seconds, nvme_parent
 from tools.bench.spec import RunSpec
 from tools.bench.systems import SYSTEMS
 
@@ -102,6 +103,9 @@ def run_system(
     """
     system = SYSTEMS[name]
     out = tempfile.mkdtemp(prefix=f"bench-{name}-", dir=log_dir)
+    # The ranks' NVMe offload folders go in here (common.nvme_scratch), removed after the run
+    # even when a rank was killed before it could remove its own (GBs at 1B parameters).
+    scratch = tempfile.mkdtemp(prefix=f"bench-{name}-scratch-", dir=nvme_parent())
     port = _free_port()
     procs, logs = [], []
     busy0, ours0 = cpu_busy_seconds(), children_cpu_seconds()
@@ -114,7 +118,7 @@ def run_system(
                 subprocess.Popen(
                     [python, "-m", "tools.bench.worker", "--system", name, "--spec", spec.to_json(), "--out", out],
                     cwd=REPO_ROOT,
-                    env=_rank_env(spec, rank, port, system.env),
+                    env=_rank_env(spec, rank, port, {**system.env, SCRATCH_ENV: scratch}),
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # so a kill reaches the rank's own children too
@@ -124,6 +128,7 @@ def run_system(
         timed_out = _wait(procs, deadline=t0 + spec.timeout_s)
     finally:  # also on KeyboardInterrupt / SIGTERM of the benchmark: leave no rank behind
         _kill(procs)
+        shutil.rmtree(scratch, ignore_errors=True)
     wall_s = time.perf_counter() - t0
     busy1, ours1 = cpu_busy_seconds(), children_cpu_seconds()
     load = {}

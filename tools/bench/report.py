@@ -5,6 +5,10 @@ Three kinds of line, each a JSON object with an "event" key:
 - "run": one system, one round: step times, losses, peak RSS per rank, traffic per step.
 - "system": one system over all its rounds: the figures to quote.
 - "summary": the issue's targets as ratios for each fxzero system, and the loss agreement.
+  An offloaded fxzero system is also compared with fxzero's device-resident step
+  (`offload_step_vs_device`; the target holds on the 25M model) and with DeepSpeed at the same
+  placement (`steps_per_s_vs_ds_same_placement`; the target holds where DeepSpeed's NVMe offload
+  is I/O bound, the ~1B model).
 
 A step's time is the slowest rank's (a step is done when every rank is); the median is over
 every timed step of every round, pooled. Losses are averaged over ranks (each rank trains on
@@ -25,7 +29,11 @@ MB = 1e6
 # data, so only the order of reductions (bucketing, sharding, a fused Adam) differs. Measured:
 # up to 6e-8 on the 25M model, 3.4e-6 on GPT-2's shape (DeepSpeed, loss ~104 at init).
 LOSS_TOLERANCE = 1e-5
-TARGETS = {"step_vs_fsdp2": 0.9, "step_vs_ds_zero3": 0.8, "peak_rss_vs_fsdp2": 1.0, "comm_vs_3phi": 0.01, "predicted_vs_measured": 0.2}
+TARGETS = {"step_vs_fsdp2": 0.9, "step_vs_ds_zero3": 0.8, "peak_rss_vs_fsdp2": 1.0, "comm_vs_3phi": 0.01, "predicted_vs_measured": 0.2,
+           "offload_step_vs_device": 1.2, "steps_per_s_vs_ds_same_placement": 2.0}
+# fxzero's device-resident systems, in order of preference, as the reference of an offloaded one
+# (the offload systems initialize from the seed, as fxzero-stage3-meta does).
+DEVICE_REFERENCES = ("fxzero-stage3-meta", "fxzero-stage3")
 
 
 def _median(xs: list[float]) -> Optional[float]:
@@ -70,7 +78,7 @@ def run_line(name: str, round_: int, result: dict[str, Any], steps: int, warmup:
         line["engine_comm_elements_per_step"] = sum(t["elements"] for t in engine.values())
         line["engine_comm_bytes_per_step"] = sum(t["bytes"] for t in engine.values())
         line["engine_comm_counted_by"] = r0["engine_comm_counted_by"]
-    for key in ("init", "num_params", "memory_report", "predicted_step_s", "predicted_with", "predicted_detail", "predicted_error", "deepspeed", "offload", "optimizer", "zero_optimization"):
+    for key in ("init", "num_params", "memory_report", "engine_io", "predicted_step_s", "predicted_with", "predicted_detail", "predicted_error", "deepspeed", "offload", "optimizer", "zero_optimization"):
         if key in r0:
             line[key] = r0[key]
     return line
@@ -138,7 +146,7 @@ def system_line(
     errors = [r["predicted_error"] for r in ok if "predicted_error" in r]
     if errors:
         line["predicted_error"] = errors[0]
-    for key in ("init", "num_params", "memory_report", "predicted_with", "predicted_detail", "deepspeed", "offload", "optimizer", "zero_optimization"):
+    for key in ("init", "num_params", "memory_report", "engine_io", "predicted_with", "predicted_detail", "deepspeed", "offload", "optimizer", "zero_optimization"):
         if key in first:
             line[key] = first[key]
     if reference is not None and reference.get("losses"):
@@ -183,6 +191,13 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         }
         if "predicted_vs_measured" in t:
             t["met"]["predicted_vs_measured"] = abs(t["predicted_vs_measured"] - 1) <= TARGETS["predicted_vs_measured"]
+        if s.get("offload") in ("cpu", "nvme"):
+            t.update(_offload_ratios(name, s, systems))
+            t["met"]["offload_step_vs_device"] = _le(t["offload_step_vs_device"], TARGETS["offload_step_vs_device"])
+            speedup = t["steps_per_s_vs_ds_same_placement"]
+            t["met"]["steps_per_s_vs_ds_same_placement"] = (
+                None if speedup is None else speedup >= TARGETS["steps_per_s_vs_ds_same_placement"]
+            )
         targets[name] = t
     devs = {n: s["loss_max_abs_dev_vs_ddp"] for n, s in systems.items() if "loss_max_abs_dev_vs_ddp" in s}
     rel = {n: s["loss_max_rel_dev_vs_ddp"] for n, s in systems.items() if "loss_max_rel_dev_vs_ddp" in s}
@@ -196,6 +211,8 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
             "peak_rss_vs_fsdp2": "<= 1.0",
             "comm_vs_3phi": "within 1% of 1.0",
             "predicted_vs_measured": "within 20% of 1.0",
+            "offload_step_vs_device": "<= 1.2 (offloaded fxzero / device-resident fxzero; 25M model)",
+            "steps_per_s_vs_ds_same_placement": ">= 2.0 (DeepSpeed's step / fxzero's, same offload; ~1B model)",
         },
         "fxzero": targets,
         "median_step_s": {n: s.get("median_step_s") for n, s in systems.items()},
@@ -209,6 +226,20 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         "loss_tolerance": f"{LOSS_TOLERANCE:g} relative to DDP's loss, at every step",
         "unavailable": unavailable,
         "failed": sorted(n for n, s in systems.items() if "median_step_s" not in s),
+    }
+
+
+def _offload_ratios(name: str, s: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An offloaded fxzero system against fxzero on the device and DeepSpeed at its placement."""
+    device_name = next((n for n in DEVICE_REFERENCES if systems.get(n, {}).get("median_step_s")), None)
+    device = systems[device_name]["median_step_s"] if device_name else None
+    ds_name = f"ds-zero3-offload-{s['offload']}"
+    ds_step = systems.get(ds_name, {}).get("median_step_s")
+    return {
+        "offload_step_vs_device": _ratio(s["median_step_s"], device),
+        "offload_device_reference": device_name,
+        "steps_per_s_vs_ds_same_placement": _ratio(ds_step, s["median_step_s"]),
+        "ds_same_placement": ds_name if ds_step else None,
     }
 
 

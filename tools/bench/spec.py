@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-__all__ = ["RunSpec", "MODEL_PRESETS"]
+__all__ = ["BENCH_SHAPES", "MODEL_PRESETS", "RunSpec", "gpt_shape", "zoo_name"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -14,7 +14,8 @@ class RunSpec:
     """Everything a rank needs to know besides which system it runs."""
 
     model: str
-    """A GPT size from `fxzero.zoo.GPT_SIZES` ("tiny", "small", "gpt2", ...)."""
+    """A GPT size from `fxzero.zoo.GPT_SIZES` ("tiny", "small", "gpt2", ...) or from
+    `BENCH_SHAPES` ("gpt-1b"); `gpt_shape(model)` is its shape."""
     batch: int
     """Micro-batch per rank (sequences of the model's full seq_len)."""
     world_size: int = 2
@@ -57,11 +58,38 @@ class RunSpec:
         return cls(**d)
 
 
+BENCH_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # ~1.02B parameters (20 blocks of d 2048, 16 heads, vocab 8192, seq 128, tied head): big
+    # enough that DeepSpeed's NVMe offload is bound by its I/O, small enough that two ranks
+    # building it whole (as the DeepSpeed and state_dict runners do) fit in 24 GiB.
+    "gpt-1b": ("1b", dict(vocab_size=8192, n_blocks=20)),
+}
+"""Benchmark-only shapes: name -> (zoo size, GPTConfig fields overridden)."""
+
+
+def zoo_name(model: str) -> tuple[str, dict[str, Any]]:
+    """`(size, overrides)` such that `fxzero.zoo.gpt(size, **overrides)` builds `model`."""
+    base, overrides = BENCH_SHAPES.get(model, (model, {}))
+    return base, dict(overrides)
+
+
+def gpt_shape(model: str):
+    """The `fxzero.zoo.GPTConfig` of a benchmark model (a zoo size or a `BENCH_SHAPES` name)."""
+    from fxzero.zoo import GPT_SIZES
+
+    base, overrides = zoo_name(model)
+    if base not in GPT_SIZES:
+        raise ValueError(f"unknown model {model!r}; choose one of {sorted(MODEL_PRESETS)}")
+    return dataclasses.replace(GPT_SIZES[base], **overrides)
+
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # The issue's ~25M decoder: 6 blocks, d 512, vocab 8192, seq 128, untied head.
     "small": dict(model="small", batch=4),
     # GPT-2 small's shape (124M, tied head), seq 256.
     "gpt2": dict(model="gpt2", batch=2),
+    # ~1.0B (BENCH_SHAPES): where ZeRO-Infinity's NVMe traffic dominates a step.
+    "gpt-1b": dict(model="gpt-1b", batch=1),
     # For tests of the tool's plumbing: seconds per run.
     "tiny": dict(model="tiny", batch=2),
 }

@@ -12,6 +12,7 @@ import ctypes.util
 import dataclasses
 import importlib.util
 import os
+import tempfile
 from typing import Any, Optional
 
 from tools.bench.spec import RunSpec
@@ -66,6 +67,19 @@ SYSTEMS: dict[str, System] = {
         {"init": "seed", "config": {}},
         "fxzero ZeRO-3 initialized from the seed on the meta device: no full copy on any rank",
     ),
+    # The placements of the DeepSpeed offload systems above. Initialized from the seed (no full
+    # copy on any rank), as a model too big for the device would be; the step is the same as
+    # with a state_dict, so fxzero-stage3(-meta) is the device-resident reference.
+    "fxzero-offload-cpu": System(
+        "fxzero_engine",
+        {"init": "seed", "offload": "cpu", "config": {}},
+        "fxzero ZeRO-3, optimizer states + params offloaded to cpu",
+    ),
+    "fxzero-offload-nvme": System(
+        "fxzero_engine",
+        {"init": "seed", "offload": "nvme", "config": {}},
+        "fxzero ZeRO-Infinity, optimizer states + params on nvme",
+    ),
 }
 """Every system by name."""
 
@@ -77,7 +91,8 @@ DEFAULT_SYSTEMS: tuple[str, ...] = (
     "fxzero-stage3",
     "fxzero-stage3-noprefetch",
 )
-"""What one invocation runs without --systems; the NVMe system is opt-in (see deepspeed_zero3.py)."""
+"""What one invocation runs without --systems; the NVMe and offload systems are opt-in (see
+deepspeed_zero3.py and fxzero_engine.py)."""
 
 
 def unavailable(name: str, spec: RunSpec) -> Optional[str]:
@@ -97,10 +112,14 @@ def unavailable(name: str, spec: RunSpec) -> Optional[str]:
     if system.runner == "fxzero_engine":
         from tools.bench.fxzero_engine import make_config
 
-        try:
-            make_config(spec, system.options.get("config", {}))
+        offload = system.options.get("offload")
+        try:  # the rank's own NVMe folder does not exist yet: any existing directory will do
+            make_config(spec, system.options.get("config", {}), offload, tempfile.gettempdir())
         except (TypeError, ValueError) as exc:
-            return f"this fxzero's Config rejects {system.options.get('config')}: {exc}"
+            what = system.options.get("config")
+            if offload is not None:
+                what = f"{what} with offload {offload!r}"
+            return f"this fxzero's Config rejects {what}: {exc}"
     return None
 
 

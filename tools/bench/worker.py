@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tools.bench import commcount
 from tools.bench.common import StepClock, loopback_bytes, make_batch, peak_rss_bytes, rss_bytes
-from tools.bench.spec import RunSpec
+from tools.bench.spec import RunSpec, gpt_shape
 from tools.bench.systems import SYSTEMS
 
 
@@ -39,15 +39,13 @@ def _write(path: str, result: dict[str, Any]) -> None:
 
 def run(name: str, spec: RunSpec) -> dict[str, Any]:
     """Train `spec.total_steps` steps of system `name` on this rank; returns the measurements."""
-    from fxzero.zoo import GPT_SIZES
-
     system = SYSTEMS[name]
     counter = commcount.CommCounter()
     commcount.install(counter)
     torch.set_num_threads(spec.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.timeout_s))
     rank = dist.get_rank()
-    shape = GPT_SIZES[spec.model]
+    shape = gpt_shape(spec.model)
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     trainer = None
     try:
