@@ -79,5 +79,6 @@ def compile_program(
         persistent=persistent_units(config, layouts),
         prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"),
         tiers=config.offload.tiers(), lookahead=config.offload.lookahead,
+        updated_in_backward=ctx.outputs.get("updated_in_backward", ()),
     )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -209,6 +209,13 @@ class Offload:
     (as DeepSpeed keeps gradients with an offloaded optimizer)."""
     lookahead: int = 1
     """Optimizer step: units whose states are fetched ahead of the one being updated."""
+    step_in_backward: bool = False
+    """Update each sharded unit inside the backward, as soon as its gradient is reduced (its
+    parameter shard is still in memory from the backward's gather), instead of in step(): the
+    gradient is never written to a tier, the parameter never read a third time, and the update
+    overlaps the rest of the backward. Needs params and optimizer offloaded; step() then only
+    handles persistent units. Like torch's optimizer-in-backward: no gradient clipping or
+    inspection between backward() and step()."""
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "grads"):
@@ -222,6 +229,11 @@ class Offload:
                 )
         if self.lookahead < 0:
             raise ValueError(f"Offload.lookahead must be >= 0 units, got {self.lookahead}")
+        if self.step_in_backward and not (self.offloaded("param") and self.offloaded("exp_avg")):
+            raise ValueError(
+                "Offload(step_in_backward=True) updates units from the states the backward streams "
+                "through memory: offload both params= and optimizer= (to Cpu() or Nvme(...))"
+            )
 
     @property
     def grads_placement(self) -> Placement:

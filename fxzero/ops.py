@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "all_gather", "fetch", "flatten_grads", "free", "offload", "reduce_scatter", "wait"]
+__all__ = ["OPS", "adamw", "all_gather", "fetch", "flatten_grads", "free", "offload", "reduce_scatter", "wait"]
 
 _lib = "fxzero"
 
@@ -137,6 +137,26 @@ def _(value: torch.Tensor, unit: str, state: str) -> torch.Tensor:
     return value.new_empty(0)
 
 
+@torch.library.custom_op(f"{_lib}::adamw", mutates_args=())
+def adamw(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, unit: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW update of `unit`'s shard: the new (param, exp_avg, exp_avg_sq).
+
+    Functional in the graph; the runtime updates the (dead) inputs in place with the engine's
+    optimizer settings and step count, which only it knows, so there is no eager kernel.
+    """
+    raise RuntimeError(
+        "fxzero::adamw ran eagerly; it needs the engine's optimizer state: run the rewritten "
+        "graph through fxzero's runtime"
+    )
+
+
+@adamw.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, unit):
+    return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+
+
 OPS = {
     "all_gather": torch.ops.fxzero.all_gather.default,
     "reduce_scatter": torch.ops.fxzero.reduce_scatter.default,
@@ -145,4 +165,5 @@ OPS = {
     "flatten_grads": torch.ops.fxzero.flatten_grads.default,
     "fetch": torch.ops.fxzero.fetch.default,
     "offload": torch.ops.fxzero.offload.default,
+    "adamw": torch.ops.fxzero.adamw.default,
 }

@@ -231,14 +231,14 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
     meta = node.meta.get("fxzero", {})
     k = meta.get("kind")
     unit = meta.get("unit")
-    k = k if k in ("all_gather", "reduce_scatter", "wait", "free", *IO) else "compute"
+    k = k if k in ("all_gather", "reduce_scatter", "wait", "free", "optim_step", *IO) else "compute"
     touches = sorted({r.name for r in map(_gathered_root, node.all_input_nodes) if r is not None})
     algorithm = meta.get("algorithm", "") if k in ASYNC else ""
     if k in COLLECTIVES:
         layout = layouts[unit]
         numel = layout.padded_numel
         nbytes = numel * layout.itemsize
-    elif k in IO:
+    elif k in IO or k == "optim_step":
         layout = layouts[unit]
         numel = layout.shard_numel
         nbytes = numel * layout.itemsize
@@ -349,7 +349,8 @@ def _with_deps(instructions: list[Instruction]) -> list[Instruction]:
 
 
 def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
-                  tiers: Optional[dict[str, str]] = None, lookahead: int = 1) -> ProgramSchedule:
+                  tiers: Optional[dict[str, str]] = None, lookahead: int = 1,
+                  updated_in_backward: frozenset[str] = frozenset()) -> ProgramSchedule:
     """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered.
 
     With offloaded states (`tiers`: state kind -> tier, for the kinds not on the device), each
@@ -359,7 +360,7 @@ def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
     writes and the update overlap while only about 2 * lookahead + 1 units' states are in memory.
     """
     tiers = tiers or {}
-    trainable = [lay for lay in layouts if lay.trainable]
+    trainable = [lay for lay in layouts if lay.trainable and lay.name not in updated_in_backward]
 
     def fetched(layout: UnitLayout) -> list[str]:
         return [k for k in STATE_KINDS if k in tiers and not (k == "param" and layout.name in persistent)]
@@ -416,19 +417,21 @@ def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayo
 def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage: int,
                    world_size: int, persistent: frozenset[str],
                    prefetch_budget_bytes: Optional[int] = None,
-                   tiers: Optional[dict[str, str]] = None, lookahead: int = 1) -> Schedule:
+                   tiers: Optional[dict[str, str]] = None, lookahead: int = 1,
+                   updated_in_backward: Iterable[str] = ()) -> Schedule:
     """The Schedule of the forward and backward programs (from the split pass) and the step.
 
     Args:
         tiers: state kind ("param", "grad", "exp_avg", "exp_avg_sq") -> tier name, for the
             states offloaded from the device (the step program fetches and writes them back).
         lookahead: units whose step states are fetched ahead of the one being updated.
+        updated_in_backward: units the backward program updates (no step instructions).
     """
     by_name = {u.name: u for u in layouts}
     progs = (
         _program_schedule(programs["forward"], by_name),
         _program_schedule(programs["backward"], by_name),
-        _step_program(layouts, persistent, tiers, lookahead),
+        _step_program(layouts, persistent, tiers, lookahead, frozenset(updated_in_backward)),
     )
     schedule = Schedule(
         SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),

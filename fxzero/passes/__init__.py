@@ -36,7 +36,9 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
     tiers = config.offload.tiers()
     if "param" in tiers or "grad" in tiers:
-        passes.append(offload.make(params=tiers.get("param"), grads=tiers.get("grad"),
-                                   lookahead=config.offload.lookahead, cost_model=cost_model))
+        passes.append(offload.make(
+            params=tiers.get("param"), grads=tiers.get("grad"), lookahead=config.offload.lookahead,
+            cost_model=cost_model, step_in_backward=tiers.get("exp_avg") if config.offload.step_in_backward else None,
+        ))
     passes.append(split.PASS)
     return passes

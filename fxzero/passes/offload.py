@@ -31,12 +31,13 @@ backward), bounding the gradient shards held in memory while they are written.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Optional
 
 import torch.fx as fx
 
 from fxzero.ops import OPS
-from fxzero.passes.analysis import is_kind, output_node, phase, tag
+from fxzero.passes.analysis import BACKWARD, is_kind, output_node, phase, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 from fxzero.schedule import Instruction, instruction_of
 
@@ -116,7 +117,7 @@ def _offload_grads(graph: fx.Graph, tier: str, lookahead: int) -> int:
         if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
             continue
         if any(u is not out for u in r.users):
-            continue  # read inside the program (not the case for ZeRO gradients): leave it
+            continue  # read inside the program (an update in the backward): nothing to store
         unit = r.meta["fxzero"]["unit"]
         with graph.inserting_after(r):
             start = graph.call_function(OPS["offload"], (r, unit, "grad"))
@@ -129,33 +130,128 @@ def _offload_grads(graph: fx.Graph, tier: str, lookahead: int) -> int:
     out.args = (results,)
     order = {n: i for i, n in enumerate(graph.nodes)}
     offloads.sort(key=lambda pair: order[pair[0]])  # backward order, not the outputs' unit order
-    # Bound the writes in flight: unit k's write is waited for before unit k + lookahead + 1's starts.
-    for k, (_, done) in enumerate(offloads):
-        later = k + lookahead + 1
-        if later < len(offloads):
-            offloads[later][0].prepend(done)
+    _bound_in_flight(graph, [(start, [done]) for start, done in offloads], lookahead)
     return len(offloads)
 
 
+def _bound_in_flight(graph: fx.Graph, writes: list[tuple[fx.Node, list[fx.Node]]], lookahead: int) -> None:
+    """Per unit (in program order): its first write and its writes' waits. Unit k's waits move
+    to just before unit k + lookahead + 1's first write (or stay before the output)."""
+    for k, (_, waits) in enumerate(writes):
+        later = k + lookahead + 1
+        if later < len(writes):
+            for w in waits:
+                writes[later][0].prepend(w)
+
+
+def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) -> list[str]:
+    """Update each sharded unit right after its gradient is reduced; see `step_in_backward`.
+
+    Before (backward)::
+
+        f = fetch(unit_k, "param"); s = wait(f); ag = all_gather(s); w = wait(ag); free(s)
+        ...; g = wait(reduce_scatter(...)); return [..., g, ...]
+
+    After::
+
+        f = fetch(unit_k, "param"); s = wait(f); ag = all_gather(s); w = wait(ag)   # s is kept
+        ...; fm = fetch(unit_k, "exp_avg"); fv = fetch(unit_k, "exp_avg_sq")   # lookahead updates
+        ...; g = wait(reduce_scatter(...))                                      # ahead
+        p, m, v = adamw(s, g, sm := wait(fm), sv := wait(fv), "unit_k")
+        op, om, ov = offload(p, "param"), offload(m, "exp_avg"), offload(v, "exp_avg_sq")
+        ...; t = wait(op); wait(om); wait(ov); free(s); free(sm); free(sv)   # bounded as for
+        return [..., t, ...]                                                  # gradients
+    """
+    out = output_node(graph)
+    results = list(out.args[0])
+    shard_of: dict[str, fx.Node] = {}  # unit -> the backward's fetched parameter shard
+    for n in graph.nodes:
+        if is_kind(n, "fetch") and phase(n) == BACKWARD:
+            (shard,) = [u for u in n.users if is_kind(u, "wait")]
+            shard_of[n.meta["fxzero"]["unit"]] = shard
+    writes: list[tuple[fx.Node, list[fx.Node]]] = []
+    fused = []
+    for pos, r in enumerate(results):
+        if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
+            continue
+        unit = r.meta["fxzero"]["unit"]
+        if unit not in shard_of or any(u is not out for u in r.users):
+            continue  # a persistent unit (no fetched shard): updated by the step program
+        shard = shard_of[unit]
+        fetch_param, unit_node = shard.args[0], shard.args[0].args[0]
+        for free in [u for u in shard.users if is_kind(u, "free")]:
+            graph.erase_node(free)  # the shard lives on until its update
+        moments = []
+        with graph.inserting_after(fetch_param):
+            for state in ("exp_avg_sq", "exp_avg"):  # inserted in reverse: exp_avg comes first
+                f = graph.call_function(OPS["fetch"], (unit_node, unit, state))
+                tag(f, kind="fetch", unit=unit, phase=BACKWARD, state=state, algorithm=optimizer)
+                moments.insert(0, f)
+        done = []
+        first_write = None
+        with graph.inserting_before(r.next):  # everything below, in order, right after g
+            waits = []
+            for f in moments:
+                waits.append(graph.call_function(OPS["wait"], (f,)))
+                tag(waits[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=f.name)
+            update = graph.call_function(OPS["adamw"], (shard, r, waits[0], waits[1], unit))
+            tag(update, kind="optim_step", unit=unit, phase=BACKWARD)
+            for index, (state, tier) in enumerate((("param", params), ("exp_avg", optimizer), ("exp_avg_sq", optimizer))):
+                value = graph.call_function(operator.getitem, (update, index))
+                tag(value, kind="compute", unit=unit, phase=BACKWARD)
+                write = graph.call_function(OPS["offload"], (value, unit, state))
+                tag(write, kind="offload", unit=unit, phase=BACKWARD, state=state, algorithm=tier)
+                first_write = first_write or write
+                with graph.inserting_before(out):
+                    done.append(graph.call_function(OPS["wait"], (write,)))
+                tag(done[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=write.name)
+        # The fetched buffers are released once their new values are on the tier.
+        with graph.inserting_before(out):
+            for buffer in (shard, *waits):
+                done.append(graph.call_function(OPS["free"], (buffer,)))
+                tag(done[-1], kind="free", unit=unit, phase=BACKWARD)
+        results[pos] = done[0]  # the unit's token: its parameter is written back
+        writes.append((first_write, done))
+        fused.append(unit)
+    out.args = (results,)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes.sort(key=lambda w: order[w[0]])
+    _bound_in_flight(graph, writes, lookahead)
+    # The moments are read `lookahead` updates ahead: before the reduce-scatter of the unit
+    # updated that many places earlier (the first ones: before their own reduce-scatter).
+    updates = sorted((n for n in graph.nodes if is_kind(n, "optim_step")), key=order.__getitem__)
+    scatters = [u.args[1].args[0] for u in updates]  # adamw(shard, wait(reduce_scatter), ...)
+    for j, u in enumerate(updates):
+        anchor = scatters[max(0, j - lookahead)]
+        for moment in (u.args[2].args[0], u.args[3].args[0]):  # adamw(.., wait(fetch m), wait(fetch v))
+            anchor.prepend(moment)
+    return fused
+
+
 def offload_pass(gm: fx.GraphModule, ctx: PassContext, *, params: Optional[str], grads: Optional[str],
-                 lookahead: int, cost_model=None) -> PassResult:
+                 lookahead: int, cost_model=None, step_in_backward: Optional[str] = None) -> PassResult:
     graph = gm.graph
     fetched = _fetch_params(graph, ctx, params, lookahead, cost_model) if params else 0
+    fused = _fuse_steps(graph, params, step_in_backward, lookahead) if step_in_backward else []
     written = _offload_grads(graph, grads, lookahead) if grads else 0
+    ctx.outputs["updated_in_backward"] = fused
     return PassResult(
         gm,
-        changed=bool(fetched or written),
+        changed=bool(fetched or written or fused),
         summary={"param_fetches": fetched, "grad_offloads": written, "params_tier": params,
-                 "grads_tier": grads, "lookahead": lookahead},
+                 "grads_tier": grads, "lookahead": lookahead, "updated_in_backward": len(fused)},
     )
 
 
-def make(*, params: Optional[str], grads: Optional[str], lookahead: int, cost_model=None) -> Pass:
+def make(*, params: Optional[str], grads: Optional[str], lookahead: int, cost_model=None,
+         step_in_backward: Optional[str] = None) -> Pass:
     """`params` / `grads`: the tier name each lives on, or None when on the device; `cost_model`
-    (optional) prices reads and compute, so a fetch leads its gather by no more than it needs."""
+    (optional) prices reads and compute, so a fetch leads its gather by no more than it needs;
+    `step_in_backward`: the optimizer states' tier, to update units in the backward."""
     return Pass(
         "offload",
-        functools.partial(offload_pass, params=params, grads=grads, lookahead=lookahead, cost_model=cost_model),
+        functools.partial(offload_pass, params=params, grads=grads, lookahead=lookahead, cost_model=cost_model,
+                          step_in_backward=step_in_backward),
         requires=REQUIRES,
         provides=PROVIDES,
     )

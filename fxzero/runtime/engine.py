@@ -32,7 +32,7 @@ from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.materialize import materialize
 from fxzero.runtime.offload import OffloadStore
 from fxzero.runtime.optim import AdamWState
-from fxzero.runtime.step import StepRunner
+from fxzero.runtime.step import StepRunner, update_streamed
 from fxzero.schedule import check_fingerprints
 
 __all__ = ["Engine"]
@@ -61,11 +61,20 @@ class _Compiled:
     """One input signature's compiled program, with runners bound to this rank's comm."""
 
     def __init__(self, compiled: CompiledProgram, comm: Comm, memory: GatheredMemory,
-                 store: Optional[OffloadStore], optimizer) -> None:
+                 store: Optional[OffloadStore], optimizer, optim: dict[str, AdamWState]) -> None:
         self.compiled = compiled
         schedule, programs = compiled.schedule, compiled.programs
+        layouts = {lay.name: lay for lay in compiled.layouts}
+        gradless = frozenset(compiled.signature.gradless_fqns)
+
+        def update(unit, param, grad, exp_avg, exp_avg_sq):  # units updated in the backward
+            m, v = update_streamed(layouts[unit], comm.rank, optimizer, param, grad, exp_avg, exp_avg_sq,
+                                   optim, gradless)
+            return param, m, v
+
         self.forward = ProgramRunner(schedule.program("forward"), programs["forward"].gm, comm, memory, store)
-        self.backward = ProgramRunner(schedule.program("backward"), programs["backward"].gm, comm, memory, store)
+        self.backward = ProgramRunner(schedule.program("backward"), programs["backward"].gm, comm, memory, store,
+                                      update)
         self.step = StepRunner(schedule.program("step"), compiled.layouts, comm, store, optimizer)
 
 
@@ -143,6 +152,8 @@ class Engine:
         def on_tier(kind: str, units) -> int:
             return sum(OffloadStore.stored_bytes(placement(kind), lay.shard_numel * lay.itemsize) for lay in units)
 
+        if self.config.offload.step_in_backward:  # only persistent units' gradients are stored
+            trainable = [lay for lay in trainable if lay.name in self._whole]
         return {
             "param": on_tier("param", sharded),
             "grad": on_tier("grad", trainable),
@@ -172,7 +183,8 @@ class Engine:
                 cost_model=self.cost_model,
             )
             check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
-            self._cache[key] = _Compiled(compiled, self.comm, self._gathered, self.store, self.config.optimizer)
+            self._cache[key] = _Compiled(compiled, self.comm, self._gathered, self.store, self.config.optimizer,
+                                         self._optim)
         return self._cache[key]
 
     @property

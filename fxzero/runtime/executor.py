@@ -89,11 +89,14 @@ class ProgramRunner:
     """Runs one scheduled program (forward or backward) against its FX graph."""
 
     def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory,
-                 store: Optional["OffloadStore"] = None):
+                 store: Optional["OffloadStore"] = None, update: Optional[Callable[..., Any]] = None):
+        """`update(unit, param, grad, exp_avg, exp_avg_sq) -> (param, exp_avg, exp_avg_sq)` runs
+        an `optim_step` instruction of the program (units updated in the backward)."""
         self.program = program
         self.comm = comm
         self.memory = memory
         self.store = store
+        self.update = update
         nodes = {n.name: n for n in gm.graph.nodes}
         self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = []
         for ins in program.instructions:
@@ -174,6 +177,16 @@ class ProgramRunner:
                 return _Written(store.write(state, unit, env[src]))
 
             return offload
+        if kind == "optim_step":
+            names = [a.name for a in node.args[:4]]
+            unit = node.args[4]
+            if self.update is None:
+                raise RuntimeError(f"optim_step {ins.name}: the program updates units but no optimizer was given")
+
+            def optim_step(env: dict) -> tuple:
+                return self.update(unit, *(env[n] for n in names))
+
+            return optim_step
         if kind == "wait":
             src = node.args[0].name
             return lambda env: env[src].wait()

@@ -22,7 +22,7 @@ from fxzero.runtime.optim import AdamWState, adamw_step
 from fxzero.schedule import ProgramSchedule
 from fxzero.units import UnitLayout
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "update_streamed"]
 
 
 class StepRunner:
@@ -79,19 +79,26 @@ class StepRunner:
                 del env[name]
 
     def _update(self, unit: str, fetched: dict[str, torch.Tensor], shard_of, grads, optim, gradless):
-        layout = self.layouts[unit]
         param = fetched["param"] if "param" in fetched else shard_of(unit)
         grad = fetched["grad"] if "grad" in fetched else grads[unit]
+        layout, rank = self.layouts[unit], self.comm.rank
         if "exp_avg" in fetched:
-            steps = optim[unit].step if unit in optim else 0
-            state = AdamWState(fetched["exp_avg"], fetched["exp_avg_sq"], steps)
-        else:
-            if unit not in optim:
-                optim[unit] = AdamWState.zeros_like(param)
-            state = optim[unit]
-        ranges = layout.shard_ranges(self.comm.rank, skip=gradless)
-        adamw_step(param, grad, state, self.optimizer, ranges)
-        if "exp_avg" in fetched:
-            # Only the step count stays resident; the moments go back to their tier.
-            optim[unit] = AdamWState(torch.empty(0), torch.empty(0), state.step)
-        return {"param": param, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+            m, v = update_streamed(layout, rank, self.optimizer, param, grad, fetched["exp_avg"],
+                                   fetched["exp_avg_sq"], optim, gradless)
+            return {"param": param, "exp_avg": m, "exp_avg_sq": v}
+        if unit not in optim:
+            optim[unit] = AdamWState.zeros_like(param)
+        adamw_step(param, grad, optim[unit], self.optimizer, layout.shard_ranges(rank, skip=gradless))
+        return {"param": param}
+
+
+def update_streamed(layout: UnitLayout, rank: int, optimizer: AdamW, param: torch.Tensor, grad: torch.Tensor,
+                    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, optim: dict[str, AdamWState],
+                    gradless: frozenset[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdamW on one unit whose moments were fetched from a tier (updated in place, returned to be
+    written back). Only the step count stays resident, in `optim` over empty tensors."""
+    steps = optim[layout.name].step if layout.name in optim else 0
+    state = AdamWState(exp_avg, exp_avg_sq, steps)
+    adamw_step(param, grad, state, optimizer, layout.shard_ranges(rank, skip=gradless))
+    optim[layout.name] = AdamWState(torch.empty(0), torch.empty(0), state.step)
+    return exp_avg, exp_avg_sq

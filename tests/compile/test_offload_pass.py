@@ -173,3 +173,37 @@ def test_schedule_json_round_trip_keeps_io():
     schedule = _compile(fxzero.Offload(params=NVME, optimizer=NVME)).schedule
     again = Schedule.loads(schedule.dumps())
     assert again == schedule
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
+def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahead):
+    offload = fxzero.Offload(params=NVME, optimizer=NVME, step_in_backward=True, lookahead=lookahead)
+    schedule = _compile(offload, persist_threshold=5000).schedule  # root persistent
+    backward, step = _ins(schedule, "backward"), _ins(schedule, "step")
+    by_name = {i.name: i for i in backward}
+    index = {i.name: n for n, i in enumerate(backward)}
+    sharded = [u.name for u in schedule.units if u.trainable and u.name not in schedule.persistent]
+    updates = [i for i in backward if i.kind == "optim_step"]
+    assert sorted(i.unit for i in updates) == sorted(sharded)
+    # The persistent root is still updated by the step program, from its stored gradient.
+    assert [i.unit for i in step if i.kind == "optim_step"] == ["root"]
+    assert ("grad", "root") in {(i.state, i.unit) for i in backward if i.kind == "offload"}
+    for u in updates:
+        param, grad, m, v = (by_name[r] for r in u.reads)
+        assert by_name[param.reads[0]].state == "param" and by_name[m.reads[0]].state == "exp_avg"
+        assert by_name[grad.reads[0]].kind == "reduce_scatter"
+        written = [i for i in backward if i.kind == "offload" and i.unit == u.unit]
+        assert sorted(i.state for i in written) == ["exp_avg", "exp_avg_sq", "param"]
+        assert all(index[w.name] > index[u.name] for w in written)
+        # Each fetched buffer is freed once, after the writes of the new values are waited for.
+        for buffer in (param, m, v):
+            (free,) = [i for i in backward if i.kind == "free" and i.reads == (buffer.name,)]
+            write_waits = [i for i in backward if i.kind == "wait" and by_name[i.reads[0]] in written]
+            assert all(index[w.name] < index[free.name] for w in write_waits)
+    # No gradient of a sharded unit is written: it is consumed where it is reduced.
+    assert not [i for i in backward if i.kind == "offload" and i.state == "grad" and i.unit in sharded]
+
+
+def test_step_in_backward_needs_params_and_optimizer_offloaded():
+    with pytest.raises(ValueError, match="offload both params= and optimizer="):
+        fxzero.Offload(optimizer=NVME, step_in_backward=True)

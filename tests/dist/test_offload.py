@@ -44,6 +44,12 @@ PLACEMENTS = {
     "nvme-lookahead0-persistent-root": (
         3, lambda d: fxzero.Offload(params=fxzero.Nvme(path=d), optimizer=fxzero.Nvme(path=d), lookahead=0)
     ),
+    "nvme-step-in-backward": (
+        3, lambda d: fxzero.Offload(params=fxzero.Nvme(path=d), optimizer=fxzero.Nvme(path=d), step_in_backward=True)
+    ),
+    "cpu-step-in-backward-persistent-root": (
+        3, lambda d: fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu(), step_in_backward=True)
+    ),
     "stage2-device": (2, lambda d: fxzero.Offload()),
     "stage2-optimizer-nvme": (2, lambda d: fxzero.Offload(optimizer=fxzero.Nvme(path=d))),
 }
