@@ -16,7 +16,8 @@ Offload, by `offload` in the system's options (the placement DeepSpeed's offload
 - "nvme": `Offload(params=Nvme(path=DIR), optimizer=Nvme(path=DIR))`, DIR a fresh folder from
   `common.nvme_scratch` (the parent DeepSpeed's NVMe system uses), removed after the run; the
   engine keeps its files in its own subfolder and removes them at `engine.close()`.
-The engine's offload I/O figures are reported when it has them (`engine.io_report()`).
+`offload_options` are further `fxzero.Offload` fields (e.g. {"step_in_backward": True}); one this
+fxzero lacks makes the system unavailable, as a Config knob does. The engine's offload I/O figures are reported when it has them (`engine.io_report()`).
 
 Traffic is the engine's own `comm_report()`; the wrapped torch.distributed collectives count
 the same calls independently (reported beside it by the worker).
@@ -43,26 +44,37 @@ COUNTED_BY = "fxzero engine.comm_report(): all_gather output + reduce_scatter in
 OFFLOADS = (None, "cpu", "nvme")
 
 
-def make_offload(offload: Optional[str], nvme_path: Optional[str]) -> Optional["fxzero.Offload"]:
+def make_offload(
+    offload: Optional[str], nvme_path: Optional[str], options: Optional[dict[str, Any]] = None
+) -> Optional["fxzero.Offload"]:
     """The `fxzero.Offload` for an `offload` option: None, "cpu" or "nvme" (files under
-    `nvme_path`). None for None, so that Config keeps its default.
+    `nvme_path`), with further Offload fields from `options`. None for None, so that Config
+    keeps its default.
 
-    Raises ValueError for another option, TypeError when this fxzero has no offload API.
+    Raises ValueError for another option (or options without offload), TypeError when this
+    fxzero has no offload API or no such Offload field.
     """
     if offload not in OFFLOADS:
         raise ValueError(f"fxzero runner: offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    options = options or {}
     if offload is None:
+        if options:
+            raise ValueError(f"fxzero runner: offload_options {options} need offload 'cpu' or 'nvme'")
         return None
     if not all(hasattr(fxzero, name) for name in ("Offload", "Cpu", "Nvme")):
         raise TypeError("this fxzero has no fxzero.Offload / Cpu / Nvme (offload is not implemented)")
     if offload == "cpu":
-        return fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu())
+        return fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu(), **options)
     assert nvme_path is not None
-    return fxzero.Offload(params=fxzero.Nvme(path=nvme_path), optimizer=fxzero.Nvme(path=nvme_path))
+    return fxzero.Offload(params=fxzero.Nvme(path=nvme_path), optimizer=fxzero.Nvme(path=nvme_path), **options)
 
 
 def make_config(
-    spec: RunSpec, config: dict[str, Any], offload: Optional[str] = None, nvme_path: Optional[str] = None
+    spec: RunSpec,
+    config: dict[str, Any],
+    offload: Optional[str] = None,
+    nvme_path: Optional[str] = None,
+    offload_options: Optional[dict[str, Any]] = None,
 ) -> "fxzero.Config":
     """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, offload=..., **config)`.
 
@@ -71,7 +83,7 @@ def make_config(
     """
     adamw = fxzero.AdamW(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
-    placement = make_offload(offload, nvme_path)
+    placement = make_offload(offload, nvme_path, offload_options)
     if placement is not None:
         kwargs["offload"] = placement
     return fxzero.Config(**kwargs)
@@ -88,7 +100,9 @@ class FxzeroTrainer:
         if self.offload == "nvme":
             self.nvme_path = nvme_scratch(f"bench-fxzero-nvme-rank{dist.get_rank()}-")
         try:
-            config = make_config(spec, options.get("config", {}), self.offload, self.nvme_path)
+            config = make_config(
+                spec, options.get("config", {}), self.offload, self.nvme_path, options.get("offload_options")
+            )
             state_dict: Optional[dict[str, torch.Tensor]] = None
             if init == "state_dict":
                 state_dict = build_model(spec).state_dict()

@@ -80,6 +80,18 @@ SYSTEMS: dict[str, System] = {
         {"init": "seed", "offload": "nvme", "config": {}},
         "fxzero ZeRO-Infinity, optimizer states + params on nvme",
     ),
+    # Each unit updated inside the backward once its gradient is reduced: no gradient written to
+    # the tier, no third read of the parameters (Offload.step_in_backward).
+    "fxzero-offload-cpu-step-in-backward": System(
+        "fxzero_engine",
+        {"init": "seed", "offload": "cpu", "offload_options": {"step_in_backward": True}, "config": {}},
+        "fxzero ZeRO-3, optimizer states + params offloaded to cpu, step in the backward",
+    ),
+    "fxzero-offload-nvme-step-in-backward": System(
+        "fxzero_engine",
+        {"init": "seed", "offload": "nvme", "offload_options": {"step_in_backward": True}, "config": {}},
+        "fxzero ZeRO-Infinity, optimizer states + params on nvme, step in the backward",
+    ),
 }
 """Every system by name."""
 
@@ -113,12 +125,15 @@ def unavailable(name: str, spec: RunSpec) -> Optional[str]:
         from tools.bench.fxzero_engine import make_config
 
         offload = system.options.get("offload")
+        offload_options = system.options.get("offload_options")
         try:  # the rank's own NVMe folder does not exist yet: any existing directory will do
-            make_config(spec, system.options.get("config", {}), offload, tempfile.gettempdir())
+            make_config(
+                spec, system.options.get("config", {}), offload, tempfile.gettempdir(), offload_options
+            )
         except (TypeError, ValueError) as exc:
-            what = system.options.get("config")
+            what = system.options.get("config", {})
             if offload is not None:
-                what = f"{what} with offload {offload!r}"
+                what = f"{what} with offload {offload!r} {offload_options or ''}".rstrip()
             return f"this fxzero's Config rejects {what}: {exc}"
     return None
 
