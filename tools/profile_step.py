@@ -32,9 +32,13 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     try:
         with torch.device("meta"):
-            model = zoo.gpt(args.model)
+            model = zoo.gpt(args.model, **dict(_override(o) for o in args.override))
         prefetch = None if args.no_prefetch else fxzero.Prefetch()
-        engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch))
+        offload = fxzero.Offload()
+        if args.offload:
+            place = fxzero.Cpu() if args.offload == "cpu" else fxzero.Nvme(path=args.nvme_path)
+            offload = fxzero.Offload(params=place, optimizer=place, step_in_backward=args.step_in_backward)
+        engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload))
         cfg = model.config
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
@@ -57,9 +61,14 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         by_op: dict[str, float] = collections.Counter()
         per_program: dict[str, float] = collections.Counter()
         for t in engine.timeline():
-            ins = schedule.program(t.program).instructions[t.index]
+            program = schedule.program(t.program)
+            ins = program.instructions[t.index]
             seconds = t.end - t.start
-            by_kind[f"{t.program}:{ins.kind}"] += seconds
+            kind = ins.kind
+            if kind == "wait":  # exposed time, by what was waited for
+                waited = next((i for i in program.instructions if i.name == ins.reads[0]), None)
+                kind = f"wait({waited.kind if waited else '?'})"
+            by_kind[f"{t.program}:{kind}"] += seconds
             per_program[t.program] += seconds
             if ins.kind == "compute":
                 node = engine._last.compiled.programs[t.program].gm.graph
@@ -73,11 +82,18 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             "last_step_s": {k: round(v, 4) for k, v in last.items()},
             "instruction_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_ops_s": {k: round(v, 4) for k, v in by_op.most_common(8)},
+            "io": engine.io_report(),
             "predicted": None if predicted is None else {k: round(v, 4) if isinstance(v, float) else v for k, v in predicted.summary().items()},
             "cost_model": None if engine.cost_model is None else engine.cost_model.to_json(),
         }), flush=True)
+        engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def _override(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    return key, {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
 
 
 def _op_name(graph, name: str) -> str:
@@ -95,6 +111,12 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                        help="GPTConfig field for the zoo model, e.g. --override n_blocks=20")
+    parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
+                        help="parameters and optimizer states on this tier")
+    parser.add_argument("--nvme-path", default="/var/tmp", help="directory for --offload nvme")
+    parser.add_argument("--step-in-backward", action="store_true", help="Offload(step_in_backward=True)")
     args = parser.parse_args()
     import socket
 

@@ -29,6 +29,7 @@ from fxzero.passes import persistent_units
 from fxzero.config import Config
 from fxzero.runtime.comm import Comm, make_comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
 from fxzero.runtime.offload import OffloadStore
 from fxzero.runtime.optim import AdamWState
@@ -115,6 +116,8 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
         _ensure_process_group()
+        if config.keep_host_memory and not torch.cuda.is_available():
+            keep_freed_host_memory()
         self.config = config
         self.comm = make_comm(config.link_emulation)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
