@@ -52,6 +52,19 @@ def adamw_step(
         _update(param[lo:hi], grad[lo:hi], state.exp_avg[lo:hi], state.exp_avg_sq[lo:hi], state.step, cfg)
 
 
+_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    """A reused buffer for the denominator: a fresh one per unit would cost a page fault per
+    4 KiB on every step (the allocator unmaps large blocks when they are freed)."""
+    key = (like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < like.numel():
+        buf = _SCRATCH[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+    return buf[: like.numel()].view_as(like)
+
+
 def _update(param, grad, exp_avg, exp_avg_sq, step: int, cfg: AdamW) -> None:
     beta1, beta2 = cfg.betas
     param.mul_(1 - cfg.lr * cfg.weight_decay)
@@ -60,5 +73,6 @@ def _update(param, grad, exp_avg, exp_avg_sq, step: int, cfg: AdamW) -> None:
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = cfg.lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(cfg.eps)
+    # (sqrt(v) / sqrt(bc2)) + eps, the same operations as torch.optim.AdamW, in one buffer.
+    denom = torch.sqrt(exp_avg_sq, out=_scratch(exp_avg_sq)).div_(math.sqrt(bias_correction2)).add_(cfg.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
