@@ -37,7 +37,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         offload = fxzero.Offload()
         if args.offload:
             place = fxzero.Cpu() if args.offload == "cpu" else fxzero.Nvme(path=args.nvme_path)
-            offload = fxzero.Offload(params=place, optimizer=place, step_in_backward=args.step_in_backward)
+            offload = fxzero.Offload(params=place, optimizer=place, step_in_backward=args.step_in_backward,
+                                     lookahead=args.lookahead)
         engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload))
         cfg = model.config
         g = torch.Generator().manual_seed(rank)
@@ -117,6 +118,7 @@ def main() -> None:
                         help="parameters and optimizer states on this tier")
     parser.add_argument("--nvme-path", default="/var/tmp", help="directory for --offload nvme")
     parser.add_argument("--step-in-backward", action="store_true", help="Offload(step_in_backward=True)")
+    parser.add_argument("--lookahead", type=int, default=1, help="Offload(lookahead=...)")
     args = parser.parse_args()
     import socket
 
