@@ -128,3 +128,21 @@ def test_deepspeed_offload_keys(tmp_path):
         fxzero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
     with pytest.raises(ValueError, match='must be "none", "cpu" or "nvme"'):
         fxzero.Config.from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
+
+
+def test_checkpoint_on_disk_materializes_into_the_tier(tmp_path):
+    """A checkpoint opened with mmap=True is read parameter by parameter into the NVMe tier."""
+    torch.manual_seed(3)
+    eager = zoo.build("gpt-tiny")
+    path = tmp_path / "ckpt.pt"
+    torch.save(eager.state_dict(), path)
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny")
+    engine = fxzero.compile(model, _nvme_config(nvme_dir), state_dict=torch.load(path, mmap=True))
+    assert engine.memory_report()["param_shards"] == 0
+    got = engine.full_state_dict()
+    for key, want in eager.state_dict().items():
+        assert torch.equal(got[key], want), key
+    engine.close()
