@@ -32,6 +32,7 @@ from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
 from fxzero.runtime.offload import OffloadStore
+from fxzero.runtime.pool import BufferPool
 from fxzero.runtime.optim import AdamWState
 from fxzero.runtime.step import StepRunner, update_streamed
 from fxzero.schedule import check_fingerprints
@@ -62,7 +63,7 @@ class _Compiled:
     """One input signature's compiled program, with runners bound to this rank's comm."""
 
     def __init__(self, compiled: CompiledProgram, comm: Comm, memory: GatheredMemory,
-                 store: Optional[OffloadStore], optimizer, optim: dict[str, AdamWState]) -> None:
+                 store: Optional[OffloadStore], optimizer, optim: dict[str, AdamWState], pool: BufferPool) -> None:
         self.compiled = compiled
         schedule, programs = compiled.schedule, compiled.programs
         layouts = {lay.name: lay for lay in compiled.layouts}
@@ -73,10 +74,11 @@ class _Compiled:
                                    optim, gradless)
             return param, m, v
 
-        self.forward = ProgramRunner(schedule.program("forward"), programs["forward"].gm, comm, memory, store)
+        self.forward = ProgramRunner(schedule.program("forward"), programs["forward"].gm, comm, memory, store,
+                                     pool=pool)
         self.backward = ProgramRunner(schedule.program("backward"), programs["backward"].gm, comm, memory, store,
-                                      update)
-        self.step = StepRunner(schedule.program("step"), compiled.layouts, comm, store, optimizer)
+                                      update, pool=pool)
+        self.step = StepRunner(schedule.program("step"), compiled.layouts, comm, store, optimizer, pool)
 
 
 class _RunProgram(torch.autograd.Function):
@@ -142,6 +144,7 @@ class Engine:
         self._optim: dict[str, AdamWState] = {}
         self._cache: dict[Any, _Compiled] = {}
         self._gathered = GatheredMemory()
+        self._pool = BufferPool()  # per-unit buffers reused across units and steps (runtime/pool.py)
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[_Compiled] = None
@@ -187,7 +190,7 @@ class Engine:
             )
             check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
             self._cache[key] = _Compiled(compiled, self.comm, self._gathered, self.store, self.config.optimizer,
-                                         self._optim)
+                                         self._optim, self._pool)
         return self._cache[key]
 
     @property

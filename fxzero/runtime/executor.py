@@ -17,8 +17,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from fxzero.ops import OPS
 from fxzero.passes.analysis import kind as kind_of
 from fxzero.runtime.comm import Comm, Pending
+from fxzero.runtime.pool import BufferPool
 from fxzero.runtime.storage import aligned_empty
 from fxzero.schedule import Instruction, ProgramSchedule
 
@@ -89,7 +91,8 @@ class ProgramRunner:
     """Runs one scheduled program (forward or backward) against its FX graph."""
 
     def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory,
-                 store: Optional["OffloadStore"] = None, update: Optional[Callable[..., Any]] = None):
+                 store: Optional["OffloadStore"] = None, update: Optional[Callable[..., Any]] = None,
+                 pool: Optional[BufferPool] = None):
         """`update(unit, param, grad, exp_avg, exp_avg_sq) -> (param, exp_avg, exp_avg_sq)` runs
         an `optim_step` instruction of the program (units updated in the backward)."""
         self.program = program
@@ -97,6 +100,7 @@ class ProgramRunner:
         self.memory = memory
         self.store = store
         self.update = update
+        self.pool = pool or BufferPool(per_size=0)  # per_size 0: nothing kept, as before
         nodes = {n.name: n for n in gm.graph.nodes}
         self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = []
         for ins in program.instructions:
@@ -119,6 +123,8 @@ class ProgramRunner:
             # view that was legal in the trace may not be legal at run time. The graph is
             # functional, so a copying reshape computes the same values.
             target = _RUNTIME_TARGET.get(node.target, node.target)
+            if target is OPS["flatten_grads"]:
+                return self._flatten_grads(node, load)
 
             def compute(env: dict) -> Any:
                 args, kwargs = load(env)
@@ -130,7 +136,8 @@ class ProgramRunner:
 
             def all_gather(env: dict) -> Pending:
                 shard = env[src]
-                out = shard.new_empty(shard.numel() * self.comm.world_size)
+                numel = shard.numel() * self.comm.world_size
+                out = self.pool.take(numel, shard.dtype) if shard.device.type == "cpu" else shard.new_empty(numel)
                 self.memory.add(ins.bytes)
                 return self.comm.all_gather(out, shard)
 
@@ -147,7 +154,15 @@ class ProgramRunner:
                 out = aligned_empty(n, flat.dtype) if offloaded and flat.device.type == "cpu" else flat.new_empty(n)
                 pending = self.comm.reduce_scatter(out, flat, via_all_reduce=via_all_reduce)
                 if not keep_full:
-                    return pending
+                    # The flat gradient goes back to the pool once the collective has read it.
+                    finish_first = pending.finish
+
+                    def release() -> torch.Tensor:
+                        result = finish_first() if finish_first else pending.result
+                        self.pool.give(flat)
+                        return result
+
+                    return pending._replace(finish=release)
                 # ZeRO-1: the averaged shard goes back into this rank's slice of the full buffer,
                 # which stays allocated as the unit's gradient.
                 mine = flat[self.comm.rank * n : (self.comm.rank + 1) * n]
@@ -166,7 +181,7 @@ class ProgramRunner:
 
             def fetch(env: dict) -> Any:
                 self.memory.stage(ins.bytes)
-                return store.fetch(state, unit, val.numel(), val.dtype)
+                return store.fetch(state, unit, val.numel(), val.dtype, pool=self.pool)
 
             return fetch
         if kind == "offload":
@@ -200,10 +215,28 @@ class ProgramRunner:
                     self.memory.stage(-buf.numel() * buf.element_size())
                 else:
                     self.memory.add(-buf.untyped_storage().nbytes())
-                buf.untyped_storage().resize_(0)
+                self.pool.give(buf)
 
             return free
         raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
+
+    def _flatten_grads(self, node: fx.Node, load) -> Callable[[dict], Any]:
+        """fxzero::flatten_grads into a pooled buffer (its reduce-scatter hands it back)."""
+
+        def flatten(env: dict) -> torch.Tensor:
+            (grads, numels, padded, dtype), _ = load(env)
+            out = self.pool.take(padded, dtype)
+            offset = 0
+            for g, n in zip(grads, numels):
+                if g is None:
+                    out[offset : offset + n].zero_()
+                else:
+                    out[offset : offset + n].copy_(g.reshape(-1))
+                offset += n
+            out[offset:].zero_()  # padding
+            return out
+
+        return flatten
 
     def _need_store(self, ins: Instruction):
         if self.store is None:

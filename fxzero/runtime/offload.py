@@ -140,14 +140,19 @@ class OffloadStore:
         """Store `value` now (blocking): initial parameters, written once at start-up."""
         self.tier(kind).write(self.key(kind, unit), value).wait()
 
-    def fetch(self, kind: str, unit: str, numel: int, dtype: torch.dtype) -> Pending:
-        """Start reading a state; AdamW moments never written yet read as zeros (the first step)."""
+    def fetch(self, kind: str, unit: str, numel: int, dtype: torch.dtype, pool=None) -> Pending:
+        """Start reading a state (into a buffer from `pool`, a BufferPool, if given); AdamW
+        moments never written yet read as zeros (the first step).
+
+        Buffers are aligned, so reading into them and writing them back needs no staging copy
+        (storage: [Note: in place]).
+        """
         key = self.key(kind, unit)
         tier = self.tier(kind)
+        out = pool.take(numel, dtype, aligned=True) if pool is not None else aligned_empty(numel, dtype)
         if kind in ("exp_avg", "exp_avg_sq") and key not in tier:
-            # Aligned, so that writing it back needs no staging copy (storage: [Note: in place]).
-            return Pending(None, aligned_empty(numel, dtype).zero_())
-        return tier.read(key)
+            return Pending(None, out.zero_())
+        return tier.read(key, out)
 
     def write(self, kind: str, unit: str, value: torch.Tensor) -> Pending:
         """Start writing a state; `value` must not change until the Pending is waited for."""

@@ -19,6 +19,7 @@ from fxzero.runtime.comm import Comm
 from fxzero.runtime.executor import _last_reads
 from fxzero.runtime.offload import OffloadStore
 from fxzero.runtime.optim import AdamWState, adamw_step
+from fxzero.runtime.pool import BufferPool
 from fxzero.schedule import ProgramSchedule
 from fxzero.units import UnitLayout
 
@@ -35,8 +36,9 @@ class StepRunner:
     """
 
     def __init__(self, program: ProgramSchedule, layouts: list[UnitLayout], comm: Comm,
-                 store: Optional[OffloadStore], optimizer: AdamW) -> None:
+                 store: Optional[OffloadStore], optimizer: AdamW, pool: Optional[BufferPool] = None) -> None:
         self.program = program
+        self.pool = pool or BufferPool(per_size=0)
         self.layouts = {lay.name: lay for lay in layouts}
         self.comm = comm
         self.store = store
@@ -44,6 +46,7 @@ class StepRunner:
         self.drop_after = _last_reads(program)
         self.state_of = {ins.name: ins.state for ins in program.instructions if ins.kind == "fetch"}
         self.read = {r for ins in program.instructions for r in ins.reads}
+        self.written = {ins.name for ins in program.instructions if ins.kind == "offload"}
 
     @torch.no_grad()
     def run(self, *, shard_of, full_of, grads: dict[str, torch.Tensor], optim: dict[str, AdamWState],
@@ -56,15 +59,19 @@ class StepRunner:
         for i, ins in enumerate(self.program.instructions):
             if ins.kind == "fetch":
                 layout = self.layouts[ins.unit]
-                env[ins.name] = self.store.fetch(ins.state, ins.unit, ins.numel, layout.dtype)
+                env[ins.name] = self.store.fetch(ins.state, ins.unit, ins.numel, layout.dtype, pool=self.pool)
             elif ins.kind == "wait":
                 (src,) = ins.reads
                 env[ins.name] = env[src].wait()
                 if src in self.state_of:
                     fetched_by[ins.name] = self.state_of[src]
+                elif src in self.written:
+                    self.pool.give(env.pop(ins.name))  # on its tier now: the buffer is free
             elif ins.kind == "optim_step":
                 fetched = {fetched_by[r]: env[r] for r in ins.reads}
                 env[ins.name] = self._update(ins.unit, fetched, shard_of, grads, optim, gradless)
+                if "grad" in fetched:  # consumed by the update, not written back
+                    self.pool.give(fetched["grad"])
             elif ins.kind == "offload":
                 (src,) = ins.reads
                 env[ins.name] = self.store.write(ins.state, ins.unit, env[src][ins.state])

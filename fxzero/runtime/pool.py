@@ -1,0 +1,66 @@
+"""Reuse the executor's large per-unit host buffers instead of returning them to the allocator.
+
+Every unit's gathered buffer, flat gradient and fetched shard is allocated and freed once per
+unit per step. glibc serves blocks above its mmap threshold with a fresh mapping and unmaps them
+on free, so each costs a page fault per 4 KiB and the kernel zeroing it again (on the 1B
+offload benchmark: several seconds per step; see fxzero/runtime/host_memory.py). Units of one
+model come in few sizes, so keeping a couple of freed buffers per size removes almost all of it
+while bounding what is kept: at most `per_size` buffers of each (bytes, dtype, alignment).
+
+A buffer handed back is reused for the next buffer of its size, so a use after its free would
+read another unit's values: the schedule's validator rules that out statically. Small buffers
+(under `min_bytes`) and non-CPU ones are not pooled: they are freed as before (storage resized
+to zero, so a stray use fails loudly), and CUDA has its own caching allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fxzero.runtime.storage import ALIGN, aligned_empty
+
+__all__ = ["BufferPool"]
+
+
+class BufferPool:
+    def __init__(self, *, per_size: int = 2, min_bytes: int = 1 << 20) -> None:
+        self.per_size = per_size
+        self.min_bytes = min_bytes
+        self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
+        self.reused = 0
+        """Buffers handed out again instead of allocated (for tests and reports)."""
+
+    def _key(self, numel: int, dtype: torch.dtype, aligned: bool) -> Optional[tuple[int, torch.dtype, bool]]:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return (numel, dtype, aligned) if nbytes >= self.min_bytes else None
+
+    def take(self, numel: int, dtype: torch.dtype, *, aligned: bool = False) -> torch.Tensor:
+        """An uninitialized flat CPU tensor (data on an ALIGN boundary if `aligned`)."""
+        key = self._key(numel, dtype, aligned)
+        if key is not None and self._free.get(key):
+            self.reused += 1
+            return self._free[key].pop()
+        return aligned_empty(numel, dtype) if aligned else torch.empty(numel, dtype=dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Hand `t` back (its caller must not use it again). Kept for reuse when it is a whole
+        pooled-size CPU buffer and there is room; otherwise its storage is released now."""
+        aligned = t.data_ptr() % ALIGN == 0
+        whole = t.untyped_storage().nbytes() >= t.numel() * t.element_size() and t.is_contiguous() and t.dim() == 1
+        key = self._key(t.numel(), t.dtype, aligned) if t.device.type == "cpu" and whole else None
+        if key is not None and not aligned and t.storage_offset() != 0:
+            key = None  # a view into something larger: not ours to reuse
+        if key is not None:
+            kept = self._free.setdefault(key, [])
+            if len(kept) < self.per_size:
+                kept.append(t)
+                return
+        t.untyped_storage().resize_(0)
+
+    def clear(self) -> None:
+        for kept in self._free.values():
+            for t in kept:
+                t.untyped_storage().resize_(0)
+        self._free.clear()
