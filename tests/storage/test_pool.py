@@ -1,0 +1,50 @@
+"""BufferPool: large buffers come back for the next request of their size; the rest is freed."""
+
+import torch
+
+from fxzero.runtime.pool import BufferPool
+from fxzero.runtime.storage import ALIGN
+
+BIG = 1 << 19  # 2 MiB of float32: pooled
+SMALL = 1000  # under min_bytes: never pooled
+
+
+def test_a_freed_buffer_is_handed_out_again_for_its_size():
+    pool = BufferPool(per_size=2)
+    a = pool.take(BIG, torch.float32)
+    ptr = a.data_ptr()
+    pool.give(a)
+    b = pool.take(BIG, torch.float32)
+    assert b.data_ptr() == ptr and pool.reused == 1
+    c = pool.take(BIG, torch.float32)  # none left: a fresh one
+    assert c.data_ptr() != ptr and pool.reused == 1
+    other = pool.take(BIG + 1, torch.float32)  # another size never gets b's memory
+    assert other.data_ptr() != ptr
+
+
+def test_aligned_buffers_stay_aligned_and_separate():
+    pool = BufferPool()
+    a = pool.take(BIG, torch.float32, aligned=True)
+    assert a.data_ptr() % ALIGN == 0
+    pool.give(a)
+    plain = pool.take(BIG, torch.float32)  # an unaligned request does not take it
+    assert plain.data_ptr() != a.data_ptr()
+    again = pool.take(BIG, torch.float32, aligned=True)
+    assert again.data_ptr() == a.data_ptr()
+
+
+def test_bounded_and_small_or_foreign_buffers_are_released():
+    pool = BufferPool(per_size=1)
+    a, b = pool.take(BIG, torch.float32), pool.take(BIG, torch.float32)
+    pool.give(a)
+    pool.give(b)  # over per_size: released now
+    assert b.untyped_storage().nbytes() == 0 and a.untyped_storage().nbytes() > 0
+    small = pool.take(SMALL, torch.float32)
+    pool.give(small)  # small ones are freed as before, so a stray use fails loudly
+    assert small.untyped_storage().nbytes() == 0
+    base = torch.empty(2 * BIG)
+    view = base[1:BIG + 1]
+    pool.give(view)  # a view into something larger is not the pool's to keep
+    assert base.untyped_storage().nbytes() == 0
+    pool.clear()
+    assert a.untyped_storage().nbytes() == 0
