@@ -5,7 +5,9 @@ unit per step. glibc serves blocks above its mmap threshold with a fresh mapping
 on free, so each costs a page fault per 4 KiB and the kernel zeroing it again (on the 1B
 offload benchmark: several seconds per step; see fxzero/runtime/host_memory.py). Units of one
 model come in few sizes, so keeping a couple of freed buffers per size removes almost all of it
-while bounding what is kept: at most `per_size` buffers of each (bytes, dtype, alignment).
+while bounding what is kept: at most `per_size` buffers of each (bytes, dtype, alignment), and
+at most `max_bytes` in all (a 2.2B model on one rank keeps 315 MB buffers of several kinds: two
+of each would add 1.9 GB to its resident memory).
 
 A buffer handed back is reused for the next buffer of its size, so a use after its free would
 read another unit's values: the schedule's validator rules that out statically. Small buffers
@@ -25,9 +27,11 @@ __all__ = ["BufferPool"]
 
 
 class BufferPool:
-    def __init__(self, *, per_size: int = 2, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, per_size: int = 2, min_bytes: int = 1 << 20, max_bytes: int = 1 << 30) -> None:
         self.per_size = per_size
         self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self.kept_bytes = 0
         self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
         self.reused = 0
         """Buffers handed out again instead of allocated (for tests and reports)."""
@@ -41,7 +45,9 @@ class BufferPool:
         key = self._key(numel, dtype, aligned)
         if key is not None and self._free.get(key):
             self.reused += 1
-            return self._free[key].pop()
+            t = self._free[key].pop()
+            self.kept_bytes -= t.numel() * t.element_size()
+            return t
         return aligned_empty(numel, dtype) if aligned else torch.empty(numel, dtype=dtype)
 
     def give(self, t: torch.Tensor) -> None:
@@ -52,10 +58,12 @@ class BufferPool:
         key = self._key(t.numel(), t.dtype, aligned) if t.device.type == "cpu" and whole else None
         if key is not None and not aligned and t.storage_offset() != 0:
             key = None  # a view into something larger: not ours to reuse
-        if key is not None:
+        nbytes = t.numel() * t.element_size()
+        if key is not None and self.kept_bytes + nbytes <= self.max_bytes:
             kept = self._free.setdefault(key, [])
             if len(kept) < self.per_size:
                 kept.append(t)
+                self.kept_bytes += nbytes
                 return
         t.untyped_storage().resize_(0)
 
@@ -64,3 +72,4 @@ class BufferPool:
             for t in kept:
                 t.untyped_storage().resize_(0)
         self._free.clear()
+        self.kept_bytes = 0

@@ -48,3 +48,15 @@ def test_bounded_and_small_or_foreign_buffers_are_released():
     assert base.untyped_storage().nbytes() == 0
     pool.clear()
     assert a.untyped_storage().nbytes() == 0
+
+
+def test_total_kept_bytes_are_capped():
+    nbytes = BIG * 4
+    pool = BufferPool(per_size=4, max_bytes=2 * nbytes)
+    bufs = [pool.take(BIG, torch.float32) for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.kept_bytes == 2 * nbytes
+    assert [b.untyped_storage().nbytes() > 0 for b in bufs] == [True, True, False]
+    pool.take(BIG, torch.float32)
+    assert pool.kept_bytes == nbytes
