@@ -93,8 +93,15 @@ class Prefetch:
     """
 
     max_live_bytes: Optional[int] = None
-    """Budget for gathered parameter buffers alive at once (in flight or in use). None: the
-    peak the schedule has without prefetch plus the largest unit, i.e. one unit of lookahead."""
+    """Budget for per-unit buffers alive at once: gathered parameters (in flight or in use) and
+    flat gradients being reduced. None: the peak the schedule has without prefetch plus the
+    largest unit, i.e. one unit of lookahead."""
+
+    keep_for_backward: bool = True
+    """Units the backward needs first stay gathered from the forward into the backward, as far
+    as the budget allows, instead of being freed and gathered again (DeepSpeed's
+    stage3_max_reuse_distance; FSDP2 does this for its root module). Their backward gathers
+    disappear, so a step moves less than 3 x Phi elements. False: every unit is gathered twice."""
 
     def __post_init__(self) -> None:
         if self.max_live_bytes is not None and self.max_live_bytes <= 0:
@@ -355,8 +362,10 @@ class Config:
         )
         zero = ds.get("zero_optimization", {})
         threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
+        # A reuse distance of 0 releases every parameter after use: gather each unit twice.
+        prefetch = Prefetch(keep_for_backward=int(zero.get("stage3_max_reuse_distance", 1)) > 0)
         offload = Offload(
             params=_placement_from_deepspeed(zero.get("offload_param", {}), "offload_param"),
             optimizer=_placement_from_deepspeed(zero.get("offload_optimizer", {}), "offload_optimizer"),
         )
-        return cls(stage=stage, optimizer=adamw, persist_threshold=threshold, offload=offload)
+        return cls(stage=stage, optimizer=adamw, persist_threshold=threshold, offload=offload, prefetch=prefetch)

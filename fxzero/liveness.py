@@ -60,7 +60,7 @@ def _storage_bytes(node: fx.Node, layouts: dict[str, UnitLayout]) -> int:
 def _storage_parent(node: fx.Node) -> fx.Node | None:
     """The node whose storage `node` shares at run time, if any."""
     kind = node.meta.get("fxzero", {}).get("kind")
-    if kind == "wait":
+    if kind == "wait" and node.op == "call_function":
         return node.args[0]  # the collective allocated the result; the wait hands it over
     if kind == "reduce_scatter" and bool(node.args[3]):
         return node.args[0]  # ZeRO-1: the averaged shard is written into the full buffer
@@ -113,8 +113,9 @@ def program_live_bytes(
     end: dict[str, int] = {}
     is_grad: set[str] = set()
     skip: set[str] = set()  # model states and gathered buffers, counted elsewhere
+    kept = set(program.kept)  # gathered buffers kept from the forward: in the schedule's timeline
     for name, kind in input_kinds.items():
-        if kind in ("unit", "buffer"):
+        if kind in ("unit", "buffer") or name in kept:
             skip.add(name)
             continue
         start[name] = -1

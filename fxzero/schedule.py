@@ -97,6 +97,9 @@ class ProgramSchedule:
     instructions: tuple[Instruction, ...]
     gathered_bytes: tuple[int, ...]
     """Bytes of gathered parameter buffers alive after each instruction."""
+    kept: tuple[str, ...] = ()
+    """Gathered buffers kept from the forward for the backward (Prefetch.keep_for_backward):
+    outputs of the forward program, inputs of the backward program, which frees them."""
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -109,6 +112,7 @@ class ProgramSchedule:
             "outputs": list(self.outputs),
             "instructions": [i.to_json() for i in self.instructions],
             "gathered_bytes": list(self.gathered_bytes),
+            "kept": list(self.kept),
         }
 
     @classmethod
@@ -119,6 +123,7 @@ class ProgramSchedule:
             tuple(d["outputs"]),
             tuple(Instruction.from_json(i) for i in d["instructions"]),
             tuple(d["gathered_bytes"]),
+            tuple(d.get("kept", ())),
         )
 
 
@@ -144,6 +149,13 @@ class Schedule:
     @property
     def peak_gathered_bytes(self) -> int:
         return max(p.peak_gathered_bytes for p in self.programs)
+
+    @property
+    def kept_for_backward(self) -> tuple[str, ...]:
+        """Units whose forward gather the backward reuses (Prefetch.keep_for_backward)."""
+        forward = self.program("forward")
+        kept = set(forward.kept)
+        return tuple(i.unit for i in forward.instructions if i.name in kept)
 
     def collectives(self) -> list[tuple[str, Instruction]]:
         return [(p.name, i) for p in self.programs for i in p.instructions if i.kind in COLLECTIVES]
@@ -218,6 +230,8 @@ def _flops(node: fx.Node) -> int:
 def _gathered_root(node: fx.Node) -> Optional[fx.Node]:
     """The gathered buffer (an all_gather's wait) that node's value views, if any."""
     while True:
+        if node.meta.get("fxzero", {}).get("kept"):  # in the backward: a placeholder
+            return node
         if kind(node) == "wait" and kind(node.args[0]) == "all_gather":
             return node
         src = alias_source(node)
@@ -293,9 +307,11 @@ def _order(graph: fx.Graph) -> tuple[list[fx.Node], dict[fx.Node, set[fx.Node]]]
     return order, deps
 
 
-def _gathered_timeline(instructions: Iterable[Instruction]) -> tuple[int, ...]:
-    """Bytes of gathered buffers alive after each instruction: +all_gather, -free."""
-    live, out, size_of = 0, [], {}
+def _gathered_timeline(instructions: Iterable[Instruction], kept_in: Optional[dict[str, int]] = None) -> tuple[int, ...]:
+    """Bytes of gathered buffers alive after each instruction: +all_gather, -free; buffers kept
+    from the forward (`kept_in`: name -> bytes) are alive from the start."""
+    size_of = dict(kept_in or {})
+    live, out = sum(size_of.values()), []
     for ins in instructions:
         if ins.kind == "all_gather":
             size_of[ins.name] = ins.bytes
@@ -319,12 +335,19 @@ def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedul
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     out = next(n for n in graph.nodes if n.op == "output")
     outputs = [r.name if isinstance(r, fx.Node) else "" for r in out.args[0]]
+    kept = [n for n in graph.nodes if n.meta.get("fxzero", {}).get("kept") and (n.op == "placeholder" or n in out.args[0])]
+    kept_in = {}
+    for n in kept:
+        if n.op == "placeholder":
+            layout = layouts[n.meta["fxzero"]["unit"]]
+            kept_in[n.name] = layout.padded_numel * layout.itemsize
     return ProgramSchedule(
         program.name,
         tuple(placeholders),
         tuple(outputs),
         tuple(instructions),
-        _gathered_timeline(instructions),
+        _gathered_timeline(instructions, kept_in),
+        tuple(n.name for n in kept),
     )
 
 
@@ -449,7 +472,8 @@ def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage
 def _validate_program(p: ProgramSchedule) -> None:
     defined = set(p.inputs)
     pending: dict[str, Instruction] = {}  # collective and transfer results not yet waited for
-    live: set[str] = set()  # gathered buffers and fetched shards, which must be freed
+    # gathered buffers and fetched shards, which must be freed (those kept from the forward too)
+    live: set[str] = set(p.kept) & defined
     freed: set[str] = set()
     names = [i.name for i in p.instructions]
     for idx, ins in enumerate(p.instructions):
@@ -494,6 +518,7 @@ def _validate_program(p: ProgramSchedule) -> None:
         raise ScheduleError(
             f"{p.name} program: {first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)"
         )
+    live -= set(p.kept) & set(p.outputs)  # kept for the backward, which frees them
     if live:
         raise ScheduleError(f"{p.name} program: gathered or fetched buffers {sorted(live)} are never freed")
     assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"

@@ -39,7 +39,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             place = fxzero.Cpu() if args.offload == "cpu" else fxzero.Nvme(path=args.nvme_path)
             offload = fxzero.Offload(params=place, optimizer=place, step_in_backward=args.step_in_backward,
                                      lookahead=args.lookahead)
-        engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload))
+        link = fxzero.LinkEmulation(bandwidth=args.link_bandwidth, latency=0.0) if args.link_bandwidth else None
+        engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload,
+                                                     link_emulation=link))
         cfg = model.config
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
@@ -119,6 +121,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/var/tmp", help="directory for --offload nvme")
     parser.add_argument("--step-in-backward", action="store_true", help="Offload(step_in_backward=True)")
     parser.add_argument("--lookahead", type=int, default=1, help="Offload(lookahead=...)")
+    parser.add_argument("--link-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                        help="emulate a link of this bandwidth (fxzero.LinkEmulation), as tools/overlap.py does")
     args = parser.parse_args()
     import socket
 

@@ -32,9 +32,12 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         insert_reduce_scatter.make(keep_full=config.stage == 1),
     ]
     passes.append(choose_collectives.make(cost_model=cost_model))
-    if config.prefetch is not None:
-        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
     tiers = config.offload.tiers()
+    if config.prefetch is not None:
+        # A unit kept from the forward has no backward gather, which offloaded parameters need
+        # (their backward fetch is what a step in the backward updates): not with offload.
+        keep = config.prefetch.keep_for_backward and "param" not in tiers
+        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes, keep_for_backward=keep))
     if "param" in tiers or "grad" in tiers:
         passes.append(offload.make(
             params=tiers.get("param"), grads=tiers.get("grad"), lookahead=config.offload.lookahead,

@@ -91,7 +91,10 @@ def _fetch_params(graph: fx.Graph, ctx: PassContext, tier: str, lookahead: int, 
         if cost_model is not None:
             probe = Instruction(name="", kind="fetch", stream="io", algorithm=tier,
                                 bytes=layout.shard_numel * layout.itemsize)
-            read_s = cost_model.io_seconds(probe)
+            # Issuing takes an instruction's overhead anyway: a read shorter than that is hidden
+            # by the issue alone (adjacent gathers, as prefetch bunches them, have no compute
+            # between them to cover anything).
+            read_s = max(0.0, cost_model.io_seconds(probe) - cost_model.op_overhead_s)
         # Issue point: an earlier gather of this phase (see _lead), or right before its own.
         same_phase = [g for g in gathers[: i + 1] if phase(g) == which]
         anchor = _lead(same_phase, lookahead, read_s, seconds, graph.nodes)

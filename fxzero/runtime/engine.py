@@ -85,8 +85,9 @@ class _RunProgram(torch.autograd.Function):
     """See [Note: how the programs meet autograd]."""
 
     @staticmethod
-    def forward(ctx, engine: "Engine", compiled: _Compiled, anchor: torch.Tensor, *inputs: torch.Tensor):
-        outputs, saved = engine._run_forward(compiled, inputs)
+    def forward(ctx, engine: "Engine", compiled: _Compiled, for_backward: bool, anchor: torch.Tensor,
+                *inputs: torch.Tensor):
+        outputs, saved = engine._run_forward(compiled, inputs, for_backward)
         ctx.engine, ctx.compiled, ctx.saved = engine, compiled, saved
         sig = compiled.compiled.signature
         ctx.shapes = [(o.shape, o.dtype) for o in outputs]
@@ -108,7 +109,7 @@ class _RunProgram(torch.autograd.Function):
         ]
         saved, ctx.saved = ctx.saved, None
         ctx.engine._run_backward(ctx.compiled, saved, grad_outputs)
-        return (None, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
+        return (None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 class Engine:
@@ -215,7 +216,7 @@ class Engine:
         compiled = self._compiled_for(tuple(inputs))
         self._last = compiled
         sig = compiled.compiled.signature
-        outputs = _RunProgram.apply(self, compiled, self._anchor, *inputs)
+        outputs = _RunProgram.apply(self, compiled, torch.is_grad_enabled(), self._anchor, *inputs)
         return pytree.tree_unflatten(list(outputs), sig.out_spec)
 
     forward = __call__
@@ -232,14 +233,25 @@ class Engine:
                 env[name] = values[kind][key]
         return env
 
-    def _run_forward(self, compiled: _Compiled, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _run_forward(self, compiled: _Compiled, inputs, for_backward: bool = True
+                     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """The outputs and the values saved for the backward (None when no backward can follow:
+        under no_grad, whose gathered buffers kept for the backward are released here)."""
         program = compiled.compiled.programs["forward"]
         results = compiled.forward.run(self._bind(compiled.forward, program, {"input": inputs}), self._record)
         sig = compiled.compiled.signature
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
             self._buffers[fqn] = value
-        return results[:n_out], results[n_out + n_buf :]
+        saved = results[n_out + n_buf :]
+        if not for_backward:
+            kept = set(compiled.forward.program.kept)
+            names = [key for kind, key in program.outputs if kind == "saved"]
+            for name, value in zip(names, saved):
+                if name in kept:
+                    compiled.forward.release(value)
+            saved = None
+        return results[:n_out], saved
 
     def _run_backward(self, compiled: _Compiled, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
         program = compiled.compiled.programs["backward"]

@@ -213,9 +213,9 @@ class ProgramRunner:
                 buf = env[src.name]
                 if staged:  # counted by its tensor's bytes, as the fetch counted it
                     self.memory.stage(-buf.numel() * buf.element_size())
+                    self.pool.give(buf)
                 else:
-                    self.memory.add(-buf.untyped_storage().nbytes())
-                self.pool.give(buf)
+                    self.release(buf)
 
             return free
         raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
@@ -237,6 +237,11 @@ class ProgramRunner:
             return out
 
         return flatten
+
+    def release(self, gathered: torch.Tensor) -> None:
+        """Free a gathered buffer: uncount it and hand it back to the pool."""
+        self.memory.add(-gathered.untyped_storage().nbytes())
+        self.pool.give(gathered)
 
     def _need_store(self, ins: Instruction):
         if self.store is None:

@@ -149,6 +149,11 @@ def summary_lines(art, timeline: Timeline, hardware: str) -> list[str]:
     lines.append(
         f"  peak gathered      {human_bytes(s.peak_gathered_bytes)} (params gathered at once, from the schedule)"
     )
+    if s.kept_for_backward:
+        units = {u.name: u.padded_numel * u.itemsize for u in s.units}
+        kept = sum(units[u] for u in s.kept_for_backward)
+        lines.append(f"  kept for backward  {', '.join(s.kept_for_backward)} ({human_bytes(kept)}: gathered once, "
+                     "alive from the forward into the backward)")
     lines.append(
         f"  peak resident      {human_bytes(peak)} at {where} = params + optimizer {human_bytes(mem.states)}"
         + (f" + gathered {human_bytes(mem.gathered[at])} + activations {human_bytes(mem.activations[at])}"

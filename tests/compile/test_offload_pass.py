@@ -151,7 +151,9 @@ def test_persistent_units_keep_their_parameters_resident():
 
 
 def test_io_is_rank_local_and_not_in_the_fingerprint():
-    device = _compile(fxzero.Offload()).schedule
+    # Offloaded parameters are gathered in the backward again (their fetch there is what a step
+    # in the backward updates), so compare with a device-resident schedule that does the same.
+    device = _compile(fxzero.Offload(), prefetch=fxzero.Prefetch(keep_for_backward=False)).schedule
     offloaded = _compile(fxzero.Offload(params=NVME, optimizer=NVME)).schedule
     # The collective sequence is the same; only local transfers were added.
     assert [(p, i.kind, i.unit) for p, i in device.collectives()] == [(p, i.kind, i.unit) for p, i in offloaded.collectives()]

@@ -38,7 +38,8 @@ def test_prefetch_issues_gathers_earlier_and_keeps_their_order():
     base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
     pre = _compile(fxzero.Config(stage=3)).schedule
     for program in ("forward", "backward"):
-        units = [i.unit for i in _gathers(base, program)]
+        # (The backward does not gather again the units it keeps from the forward.)
+        units = [i.unit for i in _gathers(base, program) if program == "forward" or i.unit not in pre.kept_for_backward]
         assert [i.unit for i in _gathers(pre, program)] == units, "gathers keep the order units are used"
         index = {i.name: n for n, i in enumerate(pre.program(program).instructions)}
         base_index = {i.name: n for n, i in enumerate(base.program(program).instructions)}
@@ -49,16 +50,38 @@ def test_prefetch_issues_gathers_earlier_and_keeps_their_order():
         assert any(index[g.name] < base_index[g.name] - 1 for g in gathers[1:])
 
 
-def test_prefetch_sinks_reduce_scatter_waits():
-    pre = _compile(fxzero.Config(stage=3)).schedule.program("backward").instructions
+def _live_with_reductions(schedule) -> int:
+    """Most bytes of gathered buffers plus flat gradients being reduced alive at once (backward)."""
+    backward = schedule.program("backward")
+    reducing, most = {}, 0
+    for n, ins in enumerate(backward.instructions):
+        if ins.kind == "reduce_scatter":
+            reducing[ins.name] = ins.bytes
+        elif ins.kind == "wait":
+            reducing.pop(ins.reads[0], None)
+        most = max(most, backward.gathered_bytes[n] + sum(reducing.values()))
+    return most
+
+
+def test_prefetch_sinks_reduce_scatter_waits_within_the_budget():
+    base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
+    # A roomy budget: every reduction overlaps the backward compute of the units before it,
+    # and some stay in flight past the next reduce-scatter.
+    roomy = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=10 * base.peak_gathered_bytes))).schedule
+    pre = roomy.program("backward").instructions
     position = {i.name: n for n, i in enumerate(pre)}
     scatters = [i for i in pre if i.kind == "reduce_scatter"]
     waits = {i.reads[0]: i for i in pre if i.kind == "wait"}
-    for rs, nxt in zip(scatters, scatters[1:]):
-        # Unit k's reduction stays in flight while unit k-1's backward computes.
+    for rs in scatters[:-1]:
         computes_between = [i for i in pre[position[rs.name] + 1 : position[waits[rs.name].name]] if i.kind == "compute"]
         assert computes_between, f"wait of {rs.unit} follows its reduce-scatter directly"
-        assert position[waits[rs.name].name] < position[nxt.name]
+    assert any(position[waits[rs.name].name] > position[nxt.name] for rs, nxt in zip(scatters, scatters[1:]))
+    # The budget bounds gathered buffers and flat gradients being reduced together, for a tight
+    # budget (the default), a roomy one, and one that barely holds two units.
+    largest = max(u.padded_numel * u.itemsize for u in base.units)
+    for schedule in (_compile(fxzero.Config(stage=3)).schedule, roomy,
+                     _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=2 * largest))).schedule):
+        assert _live_with_reductions(schedule) <= schedule.prefetch_budget_bytes
 
 
 def test_persistence_removes_those_units_gathers():
@@ -130,3 +153,15 @@ def test_simulator_runs_for_hardware_we_do_not_have():
     assert streams == {"compute", "comm"}
     for e in result.events:
         assert e.end >= e.start >= 0
+
+
+def test_keep_for_backward_follows_deepspeeds_reuse_distance():
+    assert fxzero.Config.from_deepspeed({"zero_optimization": {"stage": 3}}).prefetch.keep_for_backward
+    cfg = fxzero.Config.from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}})
+    assert not cfg.prefetch.keep_for_backward
+    kept = _compile(fxzero.Config(stage=3)).schedule
+    twice = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False))).schedule
+    assert kept.kept_for_backward and not twice.kept_for_backward
+    # The backward starts with what the forward ended with: those units' backward gathers go.
+    assert [i.unit for i in _gathers(twice, "backward")][: len(kept.kept_for_backward)] == list(kept.kept_for_backward)
+    assert [i.unit for i in _gathers(kept, "backward")] == [i.unit for i in _gathers(twice, "backward")][len(kept.kept_for_backward):]

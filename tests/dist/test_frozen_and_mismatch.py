@@ -62,6 +62,7 @@ def _train_frozen(rank: int, world_size: int, stage: int, batches, initial):
         "state": engine.full_state_dict(),
         "comm": comm,
         "units": units,
+        "kept": engine.schedule.kept_for_backward,
         "optim_bytes": engine.memory_report()["optimizer_states"],
     }
 
@@ -98,8 +99,9 @@ def test_frozen_units_are_split_gathered_never_reduced(frozen_run):
     if stage == 3:
         # Gathered in forward and again in backward, except a unit the backward does not read:
         # the frozen position embedding (no gradient flows into it and no other gradient needs
-        # its value), which is gathered once.
-        gathers = 2 * everything - units["root:frozen"][0]
+        # its value), which is gathered once, and the units the backward keeps from the forward.
+        assert ranks[0]["kept"], "the default prefetch keeps the units the backward needs first"
+        gathers = 2 * everything - units["root:frozen"][0] - sum(units[u][0] for u in ranks[0]["kept"])
     else:
         gathers = trainable  # stage 2 re-gathers the updated parameters only
     assert comm["all_gather"]["elements"] == gathers

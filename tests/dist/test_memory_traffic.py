@@ -30,7 +30,8 @@ CONFIGS = {
     1: fxzero.Config(stage=1),
     2: fxzero.Config(stage=2),
     3: fxzero.Config(stage=3, prefetch=None),
-    "3+prefetch": fxzero.Config(stage=3),
+    "3+prefetch": fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False)),
+    "3+keep": fxzero.Config(stage=3),  # the default: units the backward needs first kept from the forward
 }
 # A large eps makes AdamW's update depend on the gradient's size, so a wrongly scaled
 # reduction (a sum instead of an average) shows in the parameters, not only in their signs.
@@ -63,6 +64,7 @@ def _measure(rank: int, world_size: int, batches, initial) -> dict:
             "phi": engine.num_params,
             "budget": engine.schedule.prefetch_budget_bytes,
             "schedule_peak": engine.schedule.peak_gathered_bytes,
+            "kept": engine.schedule.kept_for_backward,
         }
         torch.distributed.barrier()
     # Gradient scale: stage 3 with a scale-sensitive AdamW against the eager reference.
@@ -143,6 +145,20 @@ def test_prefetch_stays_within_its_budget(runs):
 def test_prefetch_keeps_traffic(runs):
     for rank in range(WORLD):
         assert runs[rank]["3+prefetch"]["comm"] == runs[rank][3]["comm"]
+
+
+def test_units_kept_for_the_backward_are_gathered_once(runs):
+    for rank in range(WORLD):
+        run = runs[rank]["3+keep"]
+        padded = {name: n for name, _, n, _ in run["units"]}
+        assert run["kept"], "the default prefetch keeps the units the backward needs first"
+        kept = sum(padded[u] for u in run["kept"])
+        for report in run["comm"]:
+            assert report["all_gather"]["elements"] == 2 * _padded(run) - kept
+            assert report["reduce_scatter"]["elements"] == _padded(run)
+        # Between the forward and the backward the kept buffers are alive: within the budget,
+        # and the runtime's peak is the schedule's.
+        assert run["memory"]["gathered_peak"] == run["schedule_peak"] <= run["budget"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -107,3 +107,25 @@ def test_weight_dropout_gradient_uses_the_forward_mask():
     moved = engine.full_state_dict()["lin.weight"] != weight
     kept = y.detach().T != 0
     assert torch.equal(moved, kept)
+
+
+def test_buffers_kept_for_the_backward_are_released():
+    """Gathered buffers the forward keeps for the backward live until the backward frees them,
+    or are released at once by a forward under no_grad (no backward can follow)."""
+    engine, _, _, _ = _train_both("mlp", 3)
+    assert engine.schedule.kept_for_backward, "the default prefetch keeps the units the backward needs first"
+    x = real_input("mlp", seed=7)
+    assert engine.memory_report()["gathered"] == 0
+    loss = _loss(engine(x))
+    kept = {u.name: u.padded_numel * u.itemsize for u in engine.layouts}
+    assert engine.memory_report()["gathered"] == sum(kept[u] for u in engine.schedule.kept_for_backward)
+    engine.backward(loss)
+    assert engine.memory_report()["gathered"] == 0
+    engine.zero_grad()
+    with torch.no_grad():
+        engine(x)
+    assert engine.memory_report()["gathered"] == 0
+    # Without keeping, nothing is gathered between the forward and the backward.
+    plain = fxzero.compile(build("mlp"), fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False)))
+    loss = _loss(plain(x))
+    assert plain.schedule.kept_for_backward == () and plain.memory_report()["gathered"] == 0
