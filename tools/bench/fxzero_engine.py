@@ -83,6 +83,8 @@ def make_config(
     """
     adamw = fxzero.AdamW(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
+    if isinstance(kwargs.get("prefetch"), dict):  # the Prefetch knobs, e.g. {"keep_for_backward": False}
+        kwargs["prefetch"] = fxzero.Prefetch(**kwargs["prefetch"])
     placement = make_offload(offload, nvme_path, offload_options)
     if placement is not None:
         kwargs["offload"] = placement

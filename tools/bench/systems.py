@@ -62,6 +62,13 @@ SYSTEMS: dict[str, System] = {
         {"init": "state_dict", "config": {"prefetch": None}},
         "fxzero ZeRO-3 without prefetch",
     ),
+    # Prefetch, but no unit kept from the forward for the backward: every unit is gathered
+    # twice, exactly 3 x Phi elements per step (the default moves less).
+    "fxzero-stage3-gather-twice": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"prefetch": {"keep_for_backward": False}}},
+        "fxzero ZeRO-3, prefetch without keep_for_backward (3 x Phi per step)",
+    ),
     "fxzero-stage3-meta": System(
         "fxzero_engine",
         {"init": "seed", "config": {}},
@@ -101,6 +108,7 @@ DEFAULT_SYSTEMS: tuple[str, ...] = (
     "ds-zero3",
     "ds-zero3-offload-cpu",
     "fxzero-stage3",
+    "fxzero-stage3-gather-twice",
     "fxzero-stage3-noprefetch",
 )
 """What one invocation runs without --systems; the NVMe and offload systems are opt-in (see
