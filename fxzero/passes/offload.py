@@ -174,6 +174,7 @@ def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) ->
             shard_of[n.meta["fxzero"]["unit"]] = shard
     writes: list[tuple[fx.Node, list[fx.Node]]] = []
     fused = []
+    scatters = [n for n in graph.nodes if is_kind(n, "reduce_scatter") and phase(n) == BACKWARD]
     for pos, r in enumerate(results):
         if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
             continue
@@ -182,6 +183,14 @@ def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) ->
             continue  # a persistent unit (no fetched shard): updated by the step program
         shard = shard_of[unit]
         fetch_param, unit_node = shard.args[0], shard.args[0].args[0]
+        # The update runs while the next unit's backward computes, not in a burst at the end
+        # (prefetch may have sunk the reduce-scatter's wait there): its wait goes right before
+        # the next reduce-scatter is issued, if it is later than that.
+        later = scatters[scatters.index(r.args[0]) + 1 :]
+        if later:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if order[r] > order[later[0]]:
+                later[0].prepend(r)
         for free in [u for u in shard.users if is_kind(u, "free")]:
             graph.erase_node(free)  # the shard lives on until its update
         moments = []

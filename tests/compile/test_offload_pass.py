@@ -204,6 +204,13 @@ def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahe
             assert all(index[w.name] < index[free.name] for w in write_waits)
     # No gradient of a sharded unit is written: it is consumed where it is reduced.
     assert not [i for i in backward if i.kind == "offload" and i.state == "grad" and i.unit in sharded]
+    # Each update runs before the next unit's reduce-scatter is issued (interleaved with the
+    # backward, not in a burst at its end).
+    scatters = [i for i in backward if i.kind == "reduce_scatter"]
+    for u in updates:
+        (rs,) = [i for i in scatters if i.unit == u.unit]
+        later = scatters[scatters.index(rs) + 1 :]
+        assert not later or index[u.name] < index[later[0].name], u.unit
 
 
 def test_step_in_backward_needs_params_and_optimizer_offloaded():
