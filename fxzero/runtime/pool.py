@@ -11,7 +11,9 @@ of each would add 1.9 GB to its resident memory). `per_size` covers the buffers 
 prefetched schedule has alive at once (gathers in flight and in use, flat gradients being
 reduced, units kept for the backward: 4-7 on the 25M benchmark model); with 2 per size, the
 rest were mapped and faulted in afresh every step (25M model, 2 ranks: 1.29-1.64 s against
-1.21-1.30 s per step with 8).
+1.21-1.30 s per step with 8). Large buffers are kept 2 per size only (`size_bytes` bounds the
+bytes kept of one size beyond that): 8 of a 1B model's 200 MB units would fill `max_bytes`
+with one kind and leave every other kind to fault in afresh.
 
 A buffer handed back is reused for the next buffer of its size, so a use after its free would
 read another unit's values: the schedule's validator rules that out statically. Small buffers
@@ -31,8 +33,10 @@ __all__ = ["BufferPool"]
 
 
 class BufferPool:
-    def __init__(self, *, per_size: int = 8, min_bytes: int = 1 << 20, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, *, per_size: int = 8, min_bytes: int = 1 << 20, max_bytes: int = 1 << 30,
+                 size_bytes: int = 128 << 20) -> None:
         self.per_size = per_size
+        self.size_bytes = size_bytes
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self.kept_bytes = 0
@@ -65,7 +69,7 @@ class BufferPool:
         nbytes = t.numel() * t.element_size()
         if key is not None and self.kept_bytes + nbytes <= self.max_bytes:
             kept = self._free.setdefault(key, [])
-            if len(kept) < self.per_size:
+            if len(kept) < min(self.per_size, max(2, self.size_bytes // max(nbytes, 1))):
                 kept.append(t)
                 self.kept_bytes += nbytes
                 return

@@ -60,3 +60,17 @@ def test_total_kept_bytes_are_capped():
     assert [b.untyped_storage().nbytes() > 0 for b in bufs] == [True, True, False]
     pool.take(BIG, torch.float32)
     assert pool.kept_bytes == nbytes
+
+
+def test_large_sizes_keep_fewer_buffers():
+    nbytes = BIG * 4
+    pool = BufferPool(per_size=8, size_bytes=3 * nbytes)  # room for 3 of this size
+    bufs = [pool.take(BIG, torch.float32) for _ in range(5)]
+    for b in bufs:
+        pool.give(b)
+    assert [b.untyped_storage().nbytes() > 0 for b in bufs] == [True] * 3 + [False] * 2
+    pool = BufferPool(per_size=8, size_bytes=nbytes // 2)  # smaller than one: still 2 kept
+    bufs = [pool.take(BIG, torch.float32) for _ in range(3)]
+    for b in bufs:
+        pool.give(b)
+    assert [b.untyped_storage().nbytes() > 0 for b in bufs] == [True, True, False]
