@@ -98,8 +98,10 @@ class ProgramSchedule:
     gathered_bytes: tuple[int, ...]
     """Bytes of gathered parameter buffers alive after each instruction."""
     kept: tuple[str, ...] = ()
-    """Gathered buffers kept from the forward for the backward (Prefetch.keep_for_backward):
-    outputs of the forward program, inputs of the backward program, which frees them."""
+    """Buffers kept from the forward for the backward: gathered buffers
+    (Prefetch.keep_for_backward) and fetched parameter shards (offloaded parameters, see
+    passes/offload.py). Outputs of the forward program, inputs of the backward program, which
+    frees them."""
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -150,12 +152,21 @@ class Schedule:
     def peak_gathered_bytes(self) -> int:
         return max(p.peak_gathered_bytes for p in self.programs)
 
+    def _kept(self, source: str) -> tuple[str, ...]:
+        forward = self.program("forward")
+        kept = set(forward.kept)
+        kinds = {i.name: i.kind for i in forward.instructions}
+        return tuple(i.unit for i in forward.instructions if i.name in kept and kinds.get(i.reads[0]) == source)
+
     @property
     def kept_for_backward(self) -> tuple[str, ...]:
         """Units whose forward gather the backward reuses (Prefetch.keep_for_backward)."""
-        forward = self.program("forward")
-        kept = set(forward.kept)
-        return tuple(i.unit for i in forward.instructions if i.name in kept)
+        return self._kept("all_gather")
+
+    @property
+    def shards_kept_for_backward(self) -> tuple[str, ...]:
+        """Offloaded units whose parameter shard, fetched in the forward, the backward reuses."""
+        return self._kept("fetch")
 
     def collectives(self) -> list[tuple[str, Instruction]]:
         return [(p.name, i) for p in self.programs for i in p.instructions if i.kind in COLLECTIVES]
@@ -230,9 +241,9 @@ def _flops(node: fx.Node) -> int:
 def _gathered_root(node: fx.Node) -> Optional[fx.Node]:
     """The gathered buffer (an all_gather's wait) that node's value views, if any."""
     while True:
-        if node.meta.get("fxzero", {}).get("kept"):  # in the backward: a placeholder
+        if node.meta.get("fxzero", {}).get("kept") == "gathered":  # in the backward: a placeholder
             return node
-        if kind(node) == "wait" and kind(node.args[0]) == "all_gather":
+        if kind(node) == "wait" and node.args and kind(node.args[0]) == "all_gather":
             return node
         src = alias_source(node)
         if src is None:
@@ -338,7 +349,7 @@ def _program_schedule(program, layouts: dict[str, UnitLayout]) -> ProgramSchedul
     kept = [n for n in graph.nodes if n.meta.get("fxzero", {}).get("kept") and (n.op == "placeholder" or n in out.args[0])]
     kept_in = {}
     for n in kept:
-        if n.op == "placeholder":
+        if n.op == "placeholder" and n.meta["fxzero"]["kept"] == "gathered":
             layout = layouts[n.meta["fxzero"]["unit"]]
             kept_in[n.name] = layout.padded_numel * layout.itemsize
     return ProgramSchedule(

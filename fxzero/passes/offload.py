@@ -37,7 +37,7 @@ from typing import Optional
 import torch.fx as fx
 
 from fxzero.ops import OPS
-from fxzero.passes.analysis import BACKWARD, is_kind, output_node, phase, tag
+from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 from fxzero.schedule import Instruction, instruction_of
 
@@ -112,6 +112,50 @@ def _fetch_params(graph: fx.Graph, ctx: PassContext, tier: str, lookahead: int, 
     return fetched
 
 
+def _fetched_shards(graph: fx.Graph, which: str) -> dict[str, fx.Node]:
+    """unit -> the fetched parameter shard its gather in phase `which` reads, in gather order."""
+    out = {}
+    for g in graph.nodes:
+        if is_kind(g, "all_gather") and phase(g) == which:
+            shard = g.args[0]
+            if isinstance(shard, fx.Node) and (is_kind(shard.args[0], "fetch") if shard.args else False):
+                out[g.meta["fxzero"]["unit"]] = shard
+    return out
+
+
+def _keep_shards_for_backward(graph: fx.Graph, count: int) -> list[str]:
+    """Keep the parameter shards the backward reads first from the forward, which read them last.
+
+    Before::                                          After::
+
+        s = wait(fetch(u)); ag(s); ...; free(s)           s = wait(fetch(u)); ag(s); ...     # forward
+        s_1 = wait(fetch(u)); ag_1(s_1); ...; free(s_1)   ag_1(s); ...; free(s)              # backward
+
+    Kept: the units among both the forward's last `count` fetches and the backward's first
+    `count + 1` gathers (`count` = lookahead + 1, the fetched shards the schedule holds anyway),
+    so a kept shard lives only over the forward's tail, not all of it (a root unit used first
+    and last in the forward is read again). The kept shard crosses the boundary as a saved
+    value, tagged `kept="fetched"`; with step_in_backward it is what the update reads.
+    """
+    forward = _fetched_shards(graph, FORWARD)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_fetched = set(sorted(forward, key=lambda u: order[forward[u].args[0]])[-count:]) if count else set()
+    kept = []
+    for unit, s_b in list(_fetched_shards(graph, BACKWARD).items())[: count + 1]:
+        if unit not in last_fetched:
+            continue
+        s_f = forward[unit]
+        for free in [u for u in s_f.users if is_kind(u, "free")]:
+            graph.erase_node(free)
+        fetch_b = s_b.args[0]
+        s_b.replace_all_uses_with(s_f)
+        graph.erase_node(s_b)
+        graph.erase_node(fetch_b)
+        tag(s_f, kept="fetched")
+        kept.append(unit)
+    return kept
+
+
 def _offload_grads(graph: fx.Graph, tier: str, lookahead: int) -> int:
     out = output_node(graph)
     results = list(out.args[0])
@@ -167,11 +211,8 @@ def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) ->
     """
     out = output_node(graph)
     results = list(out.args[0])
-    shard_of: dict[str, fx.Node] = {}  # unit -> the backward's fetched parameter shard
-    for n in graph.nodes:
-        if is_kind(n, "fetch") and phase(n) == BACKWARD:
-            (shard,) = [u for u in n.users if is_kind(u, "wait")]
-            shard_of[n.meta["fxzero"]["unit"]] = shard
+    # unit -> the backward's fetched parameter shard (read in the backward, or kept from the forward)
+    shard_of = _fetched_shards(graph, BACKWARD)
     writes: list[tuple[fx.Node, list[fx.Node]]] = []
     fused = []
     scatters = [n for n in graph.nodes if is_kind(n, "reduce_scatter") and phase(n) == BACKWARD]
@@ -244,14 +285,16 @@ def offload_pass(gm: fx.GraphModule, ctx: PassContext, *, params: Optional[str],
                  lookahead: int, cost_model=None, step_in_backward: Optional[str] = None) -> PassResult:
     graph = gm.graph
     fetched = _fetch_params(graph, ctx, params, lookahead, cost_model) if params else 0
+    kept = _keep_shards_for_backward(graph, lookahead + 1) if params else []
     fused = _fuse_steps(graph, params, step_in_backward, lookahead) if step_in_backward else []
     written = _offload_grads(graph, grads, lookahead) if grads else 0
     ctx.outputs["updated_in_backward"] = fused
     return PassResult(
         gm,
-        changed=bool(fetched or written or fused),
+        changed=bool(fetched or written or fused or kept),
         summary={"param_fetches": fetched, "grad_offloads": written, "params_tier": params,
-                 "grads_tier": grads, "lookahead": lookahead, "updated_in_backward": len(fused)},
+                 "grads_tier": grads, "lookahead": lookahead, "updated_in_backward": len(fused),
+                 "shards_kept_for_backward": kept},
     )
 
 

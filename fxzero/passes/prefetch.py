@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"params_gathered", "grads_reduced"})
@@ -104,6 +104,11 @@ def _prefetch_gathers(graph: fx.Graph, ctx: PassContext, budget: int) -> int:
     gathers = [n for n in graph.nodes if is_kind(n, "all_gather")]
     for i, g in enumerate(gathers):
         nodes, pos = _program_nodes(graph, phase(g))
+        # A backward gather stays below the forward's last node in the joint graph (it gains
+        # nothing from passing the few backward nodes among the forward's), so a value the
+        # forward hands over (a kept shard) is always defined before it.
+        joint = positions(graph)
+        floor = max((joint[n] for n in graph.nodes if phase(n) == FORWARD), default=-1) if phase(g) == BACKWARD else -1
         intervals = _intervals(graph, ctx)
         live = _live_after(nodes, pos, intervals, skip=g)
         nbytes = intervals[g][2]
@@ -112,7 +117,7 @@ def _prefetch_gathers(graph: fx.Graph, ctx: PassContext, budget: int) -> int:
         j = pos[g] - 1
         while j >= 0:
             candidate = nodes[j]
-            if candidate is previous or candidate.op == "placeholder":
+            if candidate is previous or candidate.op == "placeholder" or joint[candidate] <= floor:
                 break
             # Issued before `candidate`, g's buffer is alive from the point after the node before
             # it (where a buffer that candidate frees is still alive) to g's old position.
@@ -169,7 +174,7 @@ def _keep_for_backward(graph: fx.Graph, ctx: PassContext, budget: int) -> list[s
     Units are taken in the order the backward gathers them; each must fit the budget both at
     the forward's end (its buffer now lives there) and in the backward up to its old gather
     (it now lives from the backward's start). The first that does not fit ends the run. The
-    kept buffer crosses the boundary as a saved value, tagged `kept`.
+    kept buffer crosses the boundary as a saved value, tagged `kept="gathered"`.
     """
     forward = _gathers_of(graph, FORWARD)
     kept = []
@@ -190,7 +195,7 @@ def _keep_for_backward(graph: fx.Graph, ctx: PassContext, budget: int) -> list[s
         w_b.replace_all_uses_with(w_f)
         graph.erase_node(w_b)
         graph.erase_node(g_b)
-        tag(w_f, kept=True)
+        tag(w_f, kept="gathered")
         kept.append(unit)
     return kept
 

@@ -236,7 +236,7 @@ class Engine:
     def _run_forward(self, compiled: _Compiled, inputs, for_backward: bool = True
                      ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
         """The outputs and the values saved for the backward (None when no backward can follow:
-        under no_grad, whose gathered buffers kept for the backward are released here)."""
+        under no_grad, whose buffers kept for the backward are released here)."""
         program = compiled.compiled.programs["forward"]
         results = compiled.forward.run(self._bind(compiled.forward, program, {"input": inputs}), self._record)
         sig = compiled.compiled.signature
@@ -249,7 +249,7 @@ class Engine:
             names = [key for kind, key in program.outputs if kind == "saved"]
             for name, value in zip(names, saved):
                 if name in kept:
-                    compiled.forward.release(value)
+                    compiled.forward.release_kept(name, value)
             saved = None
         return results[:n_out], saved
 

@@ -73,6 +73,14 @@ class _Written(NamedTuple):
 _TOKEN = torch.empty(0)
 
 
+def _is_fetched_shard(node: fx.Node) -> bool:
+    """Whether `node` (a free's operand) is a parameter shard fetched from a tier: a fetch's
+    wait, or, in the backward, such a shard kept from the forward (a placeholder)."""
+    if node.meta.get("fxzero", {}).get("kept") == "fetched":
+        return True
+    return bool(node.args) and isinstance(node.args[0], fx.Node) and kind_of(node.args[0]) == "fetch"
+
+
 def _last_reads(program: ProgramSchedule) -> dict[int, list[str]]:
     """For each instruction index, the values whose last reader it is (outputs are never dropped)."""
     last: dict[str, int] = {}
@@ -102,6 +110,7 @@ class ProgramRunner:
         self.update = update
         self.pool = pool or BufferPool(per_size=0)  # per_size 0: nothing kept, as before
         nodes = {n.name: n for n in gm.graph.nodes}
+        self._fetched_outputs = {name: _is_fetched_shard(nodes[name]) for name in program.kept if name in nodes}
         self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = []
         for ins in program.instructions:
             self.steps.append((ins, self._compile(ins, nodes[ins.name])))
@@ -207,15 +216,10 @@ class ProgramRunner:
             return lambda env: env[src].wait()
         if kind == "free":
             src = node.args[0]  # the wait of a gather (a gathered buffer) or of a fetch (a shard)
-            staged = bool(src.args) and isinstance(src.args[0], fx.Node) and kind_of(src.args[0]) == "fetch"
+            staged = _is_fetched_shard(src)
 
             def free(env: dict) -> None:
-                buf = env[src.name]
-                if staged:  # counted by its tensor's bytes, as the fetch counted it
-                    self.memory.stage(-buf.numel() * buf.element_size())
-                    self.pool.give(buf)
-                else:
-                    self.release(buf)
+                self.release(env[src.name], staged)
 
             return free
         raise AssertionError(f"instruction kind {kind!r} cannot run in a graph program")
@@ -238,10 +242,18 @@ class ProgramRunner:
 
         return flatten
 
-    def release(self, gathered: torch.Tensor) -> None:
-        """Free a gathered buffer: uncount it and hand it back to the pool."""
-        self.memory.add(-gathered.untyped_storage().nbytes())
-        self.pool.give(gathered)
+    def release(self, buf: torch.Tensor, staged: bool = False) -> None:
+        """Free a gathered buffer (or, `staged`, a fetched shard): uncount it and hand it back
+        to the pool."""
+        if staged:  # counted by its tensor's bytes, as the fetch counted it
+            self.memory.stage(-buf.numel() * buf.element_size())
+        else:
+            self.memory.add(-buf.untyped_storage().nbytes())
+        self.pool.give(buf)
+
+    def release_kept(self, name: str, value: torch.Tensor) -> None:
+        """Free a buffer this (forward) program kept for a backward that will not run."""
+        self.release(value, self._fetched_outputs.get(name, False))
 
     def _need_store(self, ins: Instruction):
         if self.store is None:
