@@ -154,6 +154,9 @@ def summary_lines(art, timeline: Timeline, hardware: str) -> list[str]:
         kept = sum(units[u] for u in s.kept_for_backward)
         lines.append(f"  kept for backward  {', '.join(s.kept_for_backward)} ({human_bytes(kept)}: gathered once, "
                      "alive from the forward into the backward)")
+    if s.shards_kept_for_backward:
+        lines.append(f"  shards kept        {', '.join(s.shards_kept_for_backward)} (parameter shards read once from "
+                     "their tier, kept from the forward for the backward)")
     lines.append(
         f"  peak resident      {human_bytes(peak)} at {where} = params + optimizer {human_bytes(mem.states)}"
         + (f" + gathered {human_bytes(mem.gathered[at])} + activations {human_bytes(mem.activations[at])}"
