@@ -145,10 +145,13 @@ def main() -> None:
             gathered = comm_last["all_gather"]["elements"]
             reduced = comm_last["reduce_scatter"]["elements"]
             expected = 3 if args.stage == 3 else 2
+            kept = engine.schedule.kept_for_backward
+            why = (f"; {', '.join(kept)} stayed gathered from the forward into the backward "
+                   "(Prefetch.keep_for_backward), so they were gathered once" if kept else "")
             print(
                 f"comm in the last step on rank 0: all_gather {gathered:,} + reduce_scatter {reduced:,} "
                 f"= {gathered + reduced:,} elements = {(gathered + reduced) / phi:.3f} Phi "
-                f"(ZeRO-{args.stage} moves {expected} Phi; Phi = {phi:,}, padding adds a little)",
+                f"(ZeRO-{args.stage} moves {expected} Phi; Phi = {phi:,}, padding adds a little{why})",
                 flush=True,
             )
     finally:
