@@ -156,7 +156,7 @@ def test_report_counts_bytes(tmp_path, which):
 @pytest.mark.parametrize("direct", ["auto", False])
 @pytest.mark.parametrize("how,match", [
     ("truncate", r"expected \d+ bytes on disk .*got \d+"),
-    ("flip", r"checksum mismatch: expected crc32 0x[0-9a-f]+, got 0x[0-9a-f]+"),
+    ("flip", r"checksum mismatch: expected xxh3 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}"),
     ("delete", "file is missing"),
 ])
 def test_corruption_is_detected(tmp_path, direct, how, match):
