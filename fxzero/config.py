@@ -277,6 +277,10 @@ def _placement_from_deepspeed(section: dict[str, Any], key: str) -> Placement:
     raise ValueError(f'zero_optimization.{key}.device must be "none", "cpu" or "nvme", got {device!r}')
 
 
+TRANSPORTS = ("auto", "shared_memory", "process_group")
+"""Values of `Config.transport`."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything `fxzero.compile` needs besides the model."""
@@ -298,6 +302,11 @@ class Config:
     """Merge adjacent small units into buckets (off by default: units are the buckets)."""
     link_emulation: Optional[LinkEmulation] = None
     """Emulate a slower link for every collective (for studying overlap on one box)."""
+    transport: str = "auto"
+    """How collectives move their data. "auto": through shared memory when every rank runs on
+    this host with gloo (CPU buffers; `fxzero/runtime/shm.py`), else the process group;
+    "shared_memory": that, or an error before training; "process_group": torch.distributed's
+    collectives (gloo over loopback TCP, NCCL) always."""
     offload: Offload = Offload()
     """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
     keep_host_memory: bool = False
@@ -325,6 +334,8 @@ class Config:
                 f"Config.cost_model must be 'measure', a preset name, a fxzero.cost.CostModel or "
                 f"None, got {type(self.cost_model).__name__}"
             )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"Config.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not isinstance(self.offload, Offload):
             raise TypeError(f"Config.offload must be a fxzero.Offload, got {type(self.offload).__name__}")
         if self.offload.offloaded("param") and self.stage != 3:

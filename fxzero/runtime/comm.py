@@ -174,8 +174,26 @@ class LocalComm(Comm):
         return [obj]
 
 
-def make_comm(link: Optional[LinkEmulation] = None) -> Comm:
-    """The Comm for this process: the default process group if there is one, else a world of one."""
-    if dist.is_available() and dist.is_initialized():
-        return Comm(link=link)
-    return LocalComm(link=link)
+def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto") -> Comm:
+    """The Comm for this process: the default process group if there is one, else a world of one.
+
+    `transport` (see `Config.transport`): "auto" moves the data of collectives on CPU buffers
+    through shared memory when every rank runs on this host with gloo (`fxzero.runtime.shm`),
+    "shared_memory" insists on it, "process_group" always uses torch.distributed. Collective:
+    every rank calls it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return LocalComm(link=link)
+    comm = Comm(link=link)
+    if transport == "process_group":
+        return comm
+    from fxzero.runtime.shm import ShmComm, shared_memory_unavailable
+
+    why = shared_memory_unavailable(comm)
+    if why is None:
+        return ShmComm(link=link)
+    if transport == "shared_memory":
+        raise ValueError(f"[rank {comm.rank}] Config(transport='shared_memory') needs every rank on one host "
+                         f"with gloo and room in /dev/shm, but {why}; use transport='auto' (falls back to the "
+                         f"process group) or 'process_group'")
+    return comm

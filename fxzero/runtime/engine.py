@@ -122,7 +122,7 @@ class Engine:
         if config.keep_host_memory and not torch.cuda.is_available():
             keep_freed_host_memory()
         self.config = config
-        self.comm = make_comm(config.link_emulation)
+        self.comm = make_comm(config.link_emulation, config.transport)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._model = model
         self.cost_model = self._resolve_cost_model(config.cost_model)

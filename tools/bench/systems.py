@@ -57,6 +57,13 @@ SYSTEMS: dict[str, System] = {
     "fxzero-stage3": System(
         "fxzero_engine", {"init": "state_dict", "config": {}}, "fxzero ZeRO-3, default Config"
     ),
+    # The same, with collectives on gloo over loopback TCP like the torch and DeepSpeed systems
+    # (the default moves the data of collectives through shared memory: Config.transport).
+    "fxzero-stage3-gloo": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"transport": "process_group"}},
+        "fxzero ZeRO-3, collectives on the gloo process group (not shared memory)",
+    ),
     "fxzero-stage3-noprefetch": System(
         "fxzero_engine",
         {"init": "state_dict", "config": {"prefetch": None}},
@@ -108,6 +115,7 @@ DEFAULT_SYSTEMS: tuple[str, ...] = (
     "ds-zero3",
     "ds-zero3-offload-cpu",
     "fxzero-stage3",
+    "fxzero-stage3-gloo",
     "fxzero-stage3-gather-twice",
     "fxzero-stage3-noprefetch",
 )
