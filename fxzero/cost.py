@@ -294,7 +294,8 @@ def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 12, 1 << 23), name: s
                     op = lambda: comm.reduce_scatter(shard, flat, count=False).wait()  # noqa: E731
                 else:
                     op = lambda: comm.all_reduce(flat, count=False).wait()  # noqa: E731
-                points.append((size * 4 * (world - 1) / world, _time(op, 2)))
+                # Small messages time a barrier or two, noisy: more repeats (the best one counts).
+                points.append((size * 4 * (world - 1) / world, _time(op, 5 if size < 1 << 20 else 3)))
             links[kind] = _fit(points)
         interference = _interference(comm, links["all_gather"], lambda: a @ b)
     else:
