@@ -180,6 +180,12 @@ class Nvme:
     """Bytes per read or write call, a multiple of 4096."""
     direct: Union[bool, Literal["auto"]] = "auto"
     """O_DIRECT: "auto" falls back to buffered I/O where the filesystem refuses it."""
+    write_behind_bytes: int = 256 << 20
+    """Memory for write-behind (fxzero/runtime/write_behind.py): a write that fits is copied
+    here and the program goes on without waiting for the disk; a parameter shard stays until it
+    is read (the next forward's first reads are the backward's last writes), so that read needs
+    no disk. A read served from memory does not look at the file: a file changed underneath is
+    caught at its next read from disk. 0 turns it off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -189,6 +195,8 @@ class Nvme:
             raise ValueError(f"Nvme.threads must be >= 1, got {self.threads}")
         if self.block_bytes < 4096 or self.block_bytes % 4096:
             raise ValueError(f"Nvme.block_bytes must be a positive multiple of 4096, got {self.block_bytes}")
+        if self.write_behind_bytes < 0:
+            raise ValueError(f"Nvme.write_behind_bytes must be >= 0 (0: off), got {self.write_behind_bytes}")
 
 
 Placement = Union[Device, Cpu, Nvme]

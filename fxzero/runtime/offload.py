@@ -22,6 +22,7 @@ import torch
 
 from fxzero.config import STATE_KINDS, Cpu, Nvme, Offload, Placement
 from fxzero.runtime.storage import ALIGN, CpuTier, NvmeTier, Pending, StorageTier, aligned_empty
+from fxzero.runtime.write_behind import WriteBehind
 
 __all__ = ["OffloadStore"]
 
@@ -76,6 +77,7 @@ class OffloadStore:
         self.rank = rank
         self.offload = offload
         self._tiers: dict[Placement, StorageTier] = {}
+        self._behind: dict[Placement, WriteBehind] = {}
         self._dirs: list[str] = []
         self.staged = 0
         """Bytes fetched from tiers and not yet released (the executor counts them)."""
@@ -90,6 +92,8 @@ class OffloadStore:
                 self._tiers[placement] = NvmeTier(
                     path, threads=placement.threads, block_bytes=placement.block_bytes, direct=placement.direct
                 )
+                if placement.write_behind_bytes:
+                    self._behind[placement] = WriteBehind(self._tiers[placement], placement.write_behind_bytes)
             elif isinstance(placement, Cpu):
                 self._tiers[placement] = CpuTier(pin=placement.pin_memory and torch.cuda.is_available())
             else:
@@ -150,19 +154,37 @@ class OffloadStore:
         key = self.key(kind, unit)
         tier = self.tier(kind)
         out = pool.take(numel, dtype, aligned=True) if pool is not None else aligned_empty(numel, dtype)
+        behind = self._behind.get(self.offload.placement(kind))
+        if behind is not None:
+            behind.reclaim()
+            copy = behind.lookup(key)
+            if copy is not None:  # written lately and still in memory: no disk
+                out.view(-1).copy_(copy)
+                return Pending(None, out)
         if kind in ("exp_avg", "exp_avg_sq") and key not in tier:
             return Pending(None, out.zero_())
         return tier.read(key, out)
 
     def write(self, kind: str, unit: str, value: torch.Tensor) -> Pending:
-        """Start writing a state; `value` must not change until the Pending is waited for."""
+        """Start writing a state; `value` must not change until the Pending is waited for
+        (with write-behind it is copied, and the Pending is done at once)."""
+        behind = self._behind.get(self.offload.placement(kind))
+        if behind is not None:
+            return behind.write(self.key(kind, unit), value, keep_until_read=kind == "param")
         return self.tier(kind).write(self.key(kind, unit), value)
+
+    def drain(self) -> None:
+        """Wait for every write-behind in flight, raising a failed write's error."""
+        for behind in self._behind.values():
+            behind.drain()
 
     def get(self, kind: str, unit: str) -> torch.Tensor:
         return self.tier(kind).read(self.key(kind, unit)).wait()
 
     def has(self, kind: str, unit: str) -> bool:
-        return self.key(kind, unit) in self.tier(kind)
+        behind = self._behind.get(self.offload.placement(kind))
+        key = self.key(kind, unit)
+        return key in self.tier(kind) or (behind is not None and key in behind)
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -174,8 +196,14 @@ class OffloadStore:
         return out
 
     def report(self, reset: bool = False) -> dict[str, dict]:
-        """Per tier: bytes, seconds, calls and GB/s each way since the last reset."""
-        return {tier.name: tier.report(reset) for tier in self._tiers.values()}
+        """Per tier: bytes, seconds, calls and GB/s each way since the last reset (and reads
+        served from write-behind memory)."""
+        out = {tier.name: tier.report(reset) for tier in self._tiers.values()}
+        for placement, behind in self._behind.items():
+            out[self._tiers[placement].name]["write_behind_hits"] = behind.hits
+            if reset:
+                behind.hits = 0
+        return out
 
     def close(self) -> None:
         """Finish the I/O in flight, stop the workers and remove this rank's NVMe files."""

@@ -22,8 +22,9 @@ from fxzero.runtime import offload as offload_module
 from fxzero.runtime.storage import ALIGN
 
 
-def _nvme_config(path, **kw) -> fxzero.Config:
-    place = fxzero.Nvme(path=str(path))
+def _nvme_config(path, write_behind_bytes: int = 0, **kw) -> fxzero.Config:
+    # Write-behind off by default here: reads then always come from the files these tests damage.
+    place = fxzero.Nvme(path=str(path), write_behind_bytes=write_behind_bytes)
     return fxzero.Config(offload=fxzero.Offload(params=place, optimizer=place, **kw), cost_model=None)
 
 
@@ -96,6 +97,26 @@ def test_state_changed_underneath_is_detected(tmp_path, how):
     assert {unit: state.step for unit, state in engine._optim.items()} == steps_before == {
         unit: 1 for unit in steps_before
     }
+    engine.close()
+
+
+def test_with_write_behind_a_changed_file_is_caught_at_its_next_read_from_disk(tmp_path):
+    # The next forward reads blocks.1's shard from the copy in memory (what the file should
+    # hold); the file itself is read, and found changed, before any value from it is used.
+    engine, inputs = _engine(_nvme_config(tmp_path, write_behind_bytes=64 << 20))
+    _train_step(engine, inputs)
+    engine.store.drain()
+    (rank_dir,) = os.listdir(tmp_path)
+    victim = os.path.join(tmp_path, rank_dir, "param%2Fblocks.1.fxz")
+    with open(victim, "r+b") as f:
+        f.seek(ALIGN + 5)
+        b = f.read(1)
+        f.seek(ALIGN + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(IOError, match=r"NvmeTier key 'param/blocks.1', file .*: checksum mismatch"):
+        for _ in range(3):
+            _train_step(engine, inputs)
+    assert engine.store.report()["nvme"]["write_behind_hits"] > 0
     engine.close()
 
 

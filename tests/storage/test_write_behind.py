@@ -1,0 +1,81 @@
+"""WriteBehind (fxzero/runtime/write_behind.py): copies, budget, reads from memory, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxzero.runtime.storage import NvmeTier
+from fxzero.runtime.write_behind import WriteBehind
+
+MB = 1 << 20
+
+
+def _tier(tmp_path) -> NvmeTier:
+    return NvmeTier(str(tmp_path), threads=2)
+
+
+def test_write_returns_at_once_and_the_caller_may_reuse_its_buffer(tmp_path):
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 8 * MB)
+        value = torch.arange(1000, dtype=torch.float32)
+        pending = behind.write("param/u", value, keep_until_read=True)
+        assert pending.done()
+        value.fill_(-1)  # the caller reuses its buffer: the copy is what gets written
+        behind.drain()
+        assert torch.equal(tier.read("param/u").wait(), torch.arange(1000, dtype=torch.float32))
+        # The parameter shard stays in memory until read once, then goes.
+        assert torch.equal(behind.lookup("param/u"), torch.arange(1000, dtype=torch.float32))
+        behind.reclaim()
+        assert "param/u" not in behind and behind.hits == 1
+
+
+def test_other_states_leave_memory_once_written(tmp_path):
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 8 * MB)
+        behind.write("exp_avg/u", torch.ones(100))
+        behind.drain()
+        assert "exp_avg/u" not in behind
+        assert torch.equal(tier.read("exp_avg/u").wait(), torch.ones(100))
+
+
+def test_the_latest_write_of_a_key_wins(tmp_path):
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 8 * MB)
+        for i in range(5):
+            behind.write("param/u", torch.full((10_000,), float(i)), keep_until_read=True)
+        assert torch.equal(behind.lookup("param/u"), torch.full((10_000,), 4.0))
+        behind.drain()
+        assert torch.equal(tier.read("param/u").wait(), torch.full((10_000,), 4.0))
+
+
+def test_copies_stay_within_the_budget_and_larger_writes_go_straight_to_the_tier(tmp_path):
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 3 * MB)
+        quarter = torch.zeros(MB // 4 // 4 * 4)  # 1 MB of float32
+        for i in range(6):
+            behind.write(f"param/u{i}", quarter + i, keep_until_read=True)
+            assert behind._held() <= 3 * MB
+        big = torch.zeros(MB)  # 4 MB: over the budget, written directly (the caller waits)
+        assert not behind.write("param/big", big).done() or "param/big" not in behind
+        assert "param/big" not in behind
+        behind.drain()
+        for i in range(6):
+            assert torch.equal(tier.read(f"param/u{i}").wait(), quarter + i)
+
+
+def test_a_failed_write_is_raised_not_lost(tmp_path, monkeypatch):
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 8 * MB)
+
+        def broken(key, src, tensor):
+            raise OSError(f"disk failed writing {key}")
+
+        monkeypatch.setattr(tier, "_write_file", broken)
+        assert behind.write("param/u", torch.ones(10), keep_until_read=True).done()
+        with pytest.raises(OSError, match="disk failed writing param/u"):
+            behind.drain()
+        # The value is not dropped with its failed write, and every later call says so.
+        assert torch.equal(behind.lookup("param/u"), torch.ones(10))
+        with pytest.raises(OSError, match="disk failed writing param/u"):
+            behind.write("exp_avg/u", torch.ones(10))
