@@ -191,7 +191,8 @@ def _bound_in_flight(graph: fx.Graph, writes: list[tuple[fx.Node, list[fx.Node]]
                 writes[later][0].prepend(w)
 
 
-def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) -> list[str]:
+def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, lookahead: int,
+                cost_model=None) -> list[str]:
     """Update each sharded unit right after its gradient is reduced; see `step_in_backward`.
 
     Before (backward)::
@@ -271,13 +272,25 @@ def _fuse_steps(graph: fx.Graph, params: str, optimizer: str, lookahead: int) ->
     writes.sort(key=lambda w: order[w[0]])
     _bound_in_flight(graph, writes, lookahead)
     # The moments are read `lookahead` updates ahead: before the reduce-scatter of the unit
-    # updated that many places earlier (the first ones: before their own reduce-scatter).
+    # updated that many places earlier (the first ones: before their own reduce-scatter); with a
+    # cost model, further back while the compute in between would not cover their read (the
+    # last updates come close together: the embedding's backward is short).
     updates = sorted((n for n in graph.nodes if is_kind(n, "optim_step")), key=order.__getitem__)
     scatters = [u.args[1].args[0] for u in updates]  # adamw(shard, wait(reduce_scatter), ...)
+    seconds = _compute_seconds(graph, ctx, cost_model) if cost_model is not None else None
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
     for j, u in enumerate(updates):
-        anchor = scatters[max(0, j - lookahead)]
+        back = min(j, lookahead)
+        if seconds is not None:
+            layout = ctx.layout(u.args[4])
+            probe = Instruction(name="", kind="fetch", stream="io", algorithm=optimizer,
+                                bytes=2 * layout.shard_numel * layout.itemsize)
+            read_s = cost_model.io_seconds(probe)
+            while back < j and sum(seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
+                back += 1
         for moment in (u.args[2].args[0], u.args[3].args[0]):  # adamw(.., wait(fetch m), wait(fetch v))
-            anchor.prepend(moment)
+            scatters[j - back].prepend(moment)
     return fused
 
 
@@ -286,7 +299,7 @@ def offload_pass(gm: fx.GraphModule, ctx: PassContext, *, params: Optional[str],
     graph = gm.graph
     fetched = _fetch_params(graph, ctx, params, lookahead, cost_model) if params else 0
     kept = _keep_shards_for_backward(graph, lookahead + 1) if params else []
-    fused = _fuse_steps(graph, params, step_in_backward, lookahead) if step_in_backward else []
+    fused = _fuse_steps(graph, ctx, params, step_in_backward, lookahead, cost_model) if step_in_backward else []
     written = _offload_grads(graph, grads, lookahead) if grads else 0
     ctx.outputs["updated_in_backward"] = fused
     return PassResult(

@@ -69,7 +69,9 @@ class BufferPool:
         nbytes = t.numel() * t.element_size()
         if key is not None and self.kept_bytes + nbytes <= self.max_bytes:
             kept = self._free.setdefault(key, [])
-            if len(kept) < min(self.per_size, max(2, self.size_bytes // max(nbytes, 1))):
+            # Counted per size, whatever the alignment (a buffer can be aligned by chance).
+            same_size = len(self._free.get((key[0], key[1], not key[2]), ())) + len(kept)
+            if same_size < min(self.per_size, max(2, self.size_bytes // max(nbytes, 1))):
                 kept.append(t)
                 self.kept_bytes += nbytes
                 return

@@ -46,13 +46,21 @@ place and written back never passes through a staging buffer. Other tensors are 
 
 [Note: ordering per key]
 Operations on one key run in the order they were issued: each task first waits for the previous
-task on the same key. That cannot deadlock: the pool runs tasks first-in first-out, so the
-earlier task has already been picked up by a worker, and it only ever waits on tasks earlier
-still. Operations on different keys run concurrently, up to `threads` at a time.
+task on the same key. Operations on different keys run concurrently, up to `threads` at a time.
+
+[Note: reads first]
+A program waits for its reads soon (a parameter shard before its gather), and for its writes
+late or not at all (write-behind), so the workers take reads before writes: a read issued while
+writes are queued does not wait behind them. Only a read with no unfinished task on its key is
+taken early; every other task is taken first-in first-out. That cannot deadlock: a task waits
+only on an earlier task of its key, and that task is either an early read (which waits on
+nothing, and was taken before any later task, since early reads go first) or was taken earlier
+in first-in first-out order; either way a worker already holds it.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import dataclasses
@@ -326,6 +334,51 @@ def _direct_view(t: torch.Tensor) -> Optional[memoryview]:
     return memoryview((ctypes.c_char * padded).from_address(t.data_ptr())).cast("B")
 
 
+class _IoPool:
+    """Worker threads that take early reads before everything else ([Note: reads first])."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._cond = threading.Condition()
+        self._queues: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, early: bool, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{_rank_prefix()} NvmeTier is closed: no more reads or writes")
+            self._queues[0 if early else 1].append((future, fn, args))
+            self._cond.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queues[0] or self._queues[1] or self._closed):
+                    self._cond.wait()
+                queue_ = self._queues[0] if self._queues[0] else self._queues[1]
+                if not queue_:
+                    return  # closed, nothing left
+                future, fn, args = queue_.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # delivered to whoever waits on the future
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Run what was submitted, then stop the workers."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+
 class NvmeTier(StorageTier):
     """Tensors in files under `path`, one file per key; see [Note: NVMe file layout].
 
@@ -358,7 +411,7 @@ class NvmeTier(StorageTier):
         self._staging: queue.SimpleQueue[_Staging] = queue.SimpleQueue()
         for _ in range(threads):
             self._staging.put(_aligned_buffer(block_bytes))
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fxzero-nvme")
+        self._pool = _IoPool(threads, "fxzero-nvme")
         self._last: dict[str, concurrent.futures.Future] = {}  # see [Note: ordering per key]
 
     # -- checks before use -------------------------------------------------------------------
@@ -431,10 +484,11 @@ class NvmeTier(StorageTier):
         return IOError(f"{_rank_prefix()} NvmeTier key {key!r}, file {path!r}: {what}; the file was changed "
                        f"or truncated outside this tier (or the disk failed), refusing to return its data")
 
-    def _submit(self, key: str, fn, *args) -> concurrent.futures.Future:
+    def _submit(self, key: str, fn, *args, read: bool = False) -> concurrent.futures.Future:
         with self._lock:
             before = self._last.get(key)
-            fut = self._pool.submit(self._after, before, fn, *args)
+            early = read and (before is None or before.done())  # see [Note: reads first]
+            fut = self._pool.submit(early, self._after, None if early else before, fn, *args)
             self._last[key] = fut
         fut.add_done_callback(lambda f: self._forget(key, f))
         return fut
@@ -527,7 +581,7 @@ class NvmeTier(StorageTier):
             self._record(key)  # raises the KeyError
         if out is not None and not out.is_contiguous():
             raise ValueError(f"read({key!r}, out=...): out must be contiguous")
-        return Pending(self._submit(key, self._read, key, out), None)
+        return Pending(self._submit(key, self._read, key, out, read=True), None)
 
     def _read(self, key: str, out: Optional[torch.Tensor]) -> torch.Tensor:
         start = time.perf_counter()
@@ -618,4 +672,4 @@ class NvmeTier(StorageTier):
 
     def close(self) -> None:
         """Finish every operation in flight and stop the workers; files stay until deleted."""
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()

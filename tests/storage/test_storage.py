@@ -354,7 +354,7 @@ def test_reads_are_aligned_and_aligned_tensors_round_trip_in_place(nvme, numel):
 def test_unaligned_views_are_staged(nvme):
     from fxzero.runtime.storage import _direct_view, aligned_empty
 
-    base = aligned_empty(5000, torch.float32)
+    base = aligned_empty(5000, torch.float32).copy_(torch.arange(5000.0))  # not garbage: NaN != NaN
     assert _direct_view(base[1:]) is None  # data not on a 4096 boundary
     assert _direct_view(base[: 1024 + 1][:1025]) is not None
     tight = torch.empty(1024 + 1)  # storage may end before the padded length
@@ -362,3 +362,38 @@ def test_unaligned_views_are_staged(nvme):
         assert _direct_view(tight) is None or tight.untyped_storage().nbytes() >= 8192
     nvme.write("v", base[1:]).wait()
     assert torch.equal(nvme.read("v").wait(), base[1:])
+
+
+def test_reads_go_before_queued_writes_but_after_writes_of_their_key(tmp_path, monkeypatch):
+    # [Note: reads first]: one worker, busy with a write while three more and two reads queue.
+    import threading
+
+    tier = NvmeTier(str(tmp_path), threads=1)
+    tier.write("r", torch.ones(10)).wait()
+    order, busy, gate = [], threading.Event(), threading.Event()
+    real_write, real_read = tier._write_file, tier._read
+
+    def write(key, src, tensor):
+        if key == "a":
+            busy.set()
+            gate.wait()
+        order.append(f"write {key}")
+        return real_write(key, src, tensor)
+
+    def read(key, out):
+        order.append(f"read {key}")
+        return real_read(key, out)
+
+    monkeypatch.setattr(tier, "_write_file", write)
+    monkeypatch.setattr(tier, "_read", read)
+    writes = [tier.write("a", torch.full((10,), 2.0))]
+    busy.wait()  # the worker is inside write a
+    writes += [tier.write(k, torch.full((10,), 2.0)) for k in ("b", "c")]
+    reads = [tier.read("c"), tier.read("r")]  # "c" has a write queued: it must wait for it
+    gate.set()
+    assert torch.equal(reads[0].wait(), torch.full((10,), 2.0))
+    assert torch.equal(reads[1].wait(), torch.ones(10))
+    for w in writes:
+        w.wait()
+    assert order == ["write a", "read r", "write b", "write c", "read c"]
+    tier.close()
