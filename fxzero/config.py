@@ -95,7 +95,10 @@ class Prefetch:
     max_live_bytes: Optional[int] = None
     """Budget for per-unit buffers alive at once: gathered parameters (in flight or in use) and
     flat gradients being reduced. None: the peak the schedule has without prefetch plus the
-    largest unit, i.e. one unit of lookahead."""
+    largest unit (one unit of lookahead), or 128 MiB if that is more: a small model then keeps
+    most or all of its units gathered from the forward into the backward and prefetches
+    several ahead (DeepSpeed's defaults, 1e9 live parameters, keep every parameter of such a
+    model gathered), while a large one keeps its one-unit lookahead."""
 
     keep_for_backward: bool = True
     """Units the backward needs first stay gathered from the forward into the backward, as far

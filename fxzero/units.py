@@ -19,6 +19,8 @@ from fxzero.config import UnitsPolicy
 __all__ = ["ParamSlot", "UnitLayout", "bucket_units", "plan_units", "unique_parameters"]
 
 ROOT = "root"
+TAIL = "root:tail"
+"""The root's parameters registered after the blocks (final norm, untied head): see `plan_units`."""
 FROZEN_SUFFIX = ":frozen"
 
 
@@ -151,7 +153,11 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[U
     """Group the model's unique parameters into units and lay each out as a flat buffer.
 
     The root unit (parameters outside every unit) comes first, then units in module order.
-    Within a unit, frozen parameters (requires_grad=False) are split into their own unit named
+    The root's parameters registered after the last unit's (a final norm, an untied head) form
+    their own unit, "root:tail", last: the forward uses them only at
+    its end and the backward at its start, so neither phase waits at its edge for a gather or a
+    reduction of the whole root (embedding and head) with no compute to hide it behind. A tied
+    head stays with its embedding, where it was first registered. Within a unit, frozen parameters (requires_grad=False) are split into their own unit named
     `<unit>:frozen`, so a unit is either wholly trained or wholly frozen.
 
     Raises:
@@ -168,8 +174,15 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[U
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {ROOT: []}
     for root in roots:
         groups[root] = []
-    for fqn, p in unique_parameters(model).items():
-        groups[_owner(fqn, roots)].append((fqn, p))
+    params = list(unique_parameters(model).items())
+    owners = [_owner(fqn, roots) for fqn, _ in params]
+    last_block = max((i for i, owner in enumerate(owners) if owner != ROOT), default=None)
+    for i, ((fqn, p), owner) in enumerate(zip(params, owners)):
+        if owner == ROOT and last_block is not None and i > last_block:
+            owner = TAIL
+        groups.setdefault(owner, []).append((fqn, p))
+    if not groups[ROOT] and TAIL in groups:  # nothing before the blocks: the tail is the root
+        groups[ROOT] = groups.pop(TAIL)
 
     layouts = []
     for name, params in groups.items():

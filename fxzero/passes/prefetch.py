@@ -14,7 +14,8 @@ Each gather moves up its program (the nodes of its phase; the joint graph interl
 nodes of the other phase, which the split drops), one node at a time, while the bytes alive at
 every point it passes, plus its own, stay within the budget; it never passes the previous
 gather (so units are gathered in the order they are used) nor leaves its phase. The budget
-defaults to the peak without prefetch plus the largest unit: one unit of lookahead.
+defaults to the peak without prefetch plus the largest unit (one unit of lookahead), and to at
+least `MIN_DEFAULT_BUDGET` (see `Prefetch.max_live_bytes`).
 
 Reduce-scatters. Before: rs_k = reduce_scatter(g_k); gshard_k = wait(rs_k) right away. After:
 the wait sinks at least to just before the next reduce-scatter is issued, so unit k's reduction
@@ -45,6 +46,11 @@ from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"params_gathered", "grads_reduced"})
 PROVIDES = frozenset({"prefetched"})
+
+MIN_DEFAULT_BUDGET = 128 << 20
+"""The default budget is at least this (bytes). On the 25M benchmark model with an emulated
+link as slow as its compute (tools/overlap.py), one unit of lookahead (34 MB) left reductions
+waiting at the backward's start; 100 MB and 128 MiB both gave 1.11x max(compute, comm)."""
 
 
 def _gather_intervals(graph: fx.Graph, ctx: PassContext) -> dict[fx.Node, tuple[fx.Node, fx.Node, int]]:
@@ -212,7 +218,7 @@ def prefetch_pass(gm: fx.GraphModule, ctx: PassContext, *, max_live_bytes: Optio
     peak_before = max((max(_live_after(*_program_nodes(graph, which), intervals), default=0)
                        for which in (FORWARD, BACKWARD)), default=0)
     largest = max((b for _, _, b in intervals.values()), default=0)
-    budget = max_live_bytes if max_live_bytes is not None else peak_before + largest
+    budget = max_live_bytes if max_live_bytes is not None else max(peak_before + largest, MIN_DEFAULT_BUDGET)
     moved = _prefetch_gathers(graph, ctx, budget) if intervals else 0
     sunk = _sink_reduce_scatter_waits(graph, ctx, budget)
     kept = _keep_for_backward(graph, ctx, budget) if keep_for_backward and intervals else []

@@ -17,7 +17,7 @@ def test_compile_writes_the_artifacts(tiny_dir, runner):
         assert os.path.getsize(os.path.join(tiny_dir, name)) > 0, name
     art = Artifacts.read(tiny_dir)
     assert art.manifest["model"] == TINY and art.schedule.world_size == WORLD and art.schedule.stage == 3
-    assert art.units == ["root", "blocks.0", "blocks.1"]
+    assert art.units == ["root", "blocks.0", "blocks.1", "root:tail"]
     passes = [r["name"] for r in art.pass_trace]
     assert passes[0] == "partition" and passes[-1] == "split"
     assert all({"changed", "seconds", "nodes_before", "nodes_after", "summary"} <= set(r) for r in art.pass_trace)

@@ -151,7 +151,7 @@ def test_step_program_streams_units_through_memory():
 
 def test_persistent_units_keep_their_parameters_resident():
     schedule = _compile(fxzero.Offload(params=NVME, optimizer=NVME), persist_threshold=5000).schedule
-    assert schedule.persistent == ("root",)
+    assert schedule.persistent == ("root", "root:tail")
     step_fetches = {(i.unit, i.state) for i in _ins(schedule, "step") if i.kind == "fetch"}
     assert ("root", "exp_avg") in step_fetches and ("root", "param") not in step_fetches
     assert ("blocks.0", "param") in step_fetches
@@ -192,7 +192,7 @@ def test_schedule_json_round_trip_keeps_io():
 @pytest.mark.parametrize("lookahead", [0, 1, 2])
 def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahead):
     offload = fxzero.Offload(params=NVME, optimizer=NVME, step_in_backward=True, lookahead=lookahead)
-    schedule = _compile(offload, persist_threshold=5000).schedule  # root persistent
+    schedule = _compile(offload, persist_threshold=5000).schedule  # root and tail persistent
     backward, step = _ins(schedule, "backward"), _ins(schedule, "step")
     by_name = {i.name: i for i in backward}
     index = {i.name: n for n, i in enumerate(backward)}
@@ -200,7 +200,7 @@ def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahe
     updates = [i for i in backward if i.kind == "optim_step"]
     assert sorted(i.unit for i in updates) == sorted(sharded)
     # The persistent root is still updated by the step program, from its stored gradient.
-    assert [i.unit for i in step if i.kind == "optim_step"] == ["root"]
+    assert [i.unit for i in step if i.kind == "optim_step"] == ["root", "root:tail"]
     assert ("grad", "root") in {(i.state, i.unit) for i in backward if i.kind == "offload"}
     kept = schedule.program("backward").kept  # shards kept from the forward: inputs, not fetched here
     assert schedule.shards_kept_for_backward

@@ -10,6 +10,7 @@ import torch
 import fxzero
 from fxzero import zoo
 from fxzero.cost import PRESETS, CostModel, Link, simulate
+from fxzero.passes.prefetch import MIN_DEFAULT_BUDGET
 
 
 def _compile(config: fxzero.Config, world_size: int = 4, **kw):
@@ -29,14 +30,17 @@ def test_prefetch_never_exceeds_its_budget():
         s = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=budget))).schedule
         assert s.prefetch_budget_bytes == budget
         assert s.peak_gathered_bytes <= budget, (budget, s.peak_gathered_bytes)
-    # The default budget is the peak without prefetch plus the largest unit.
+    # The default budget is the peak without prefetch plus the largest unit, at least 128 MiB.
     s = _compile(fxzero.Config(stage=3)).schedule
-    assert s.prefetch_budget_bytes == base.peak_gathered_bytes + largest
+    assert s.prefetch_budget_bytes == max(base.peak_gathered_bytes + largest, MIN_DEFAULT_BUDGET) == 128 << 20
 
 
 def test_prefetch_issues_gathers_earlier_and_keeps_their_order():
     base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
-    pre = _compile(fxzero.Config(stage=3)).schedule
+    # One unit of lookahead (the default budget, 128 MiB, would keep every unit of this small
+    # model from the forward, leaving the backward almost nothing to gather).
+    largest = max(u.padded_numel * u.itemsize for u in base.units)
+    pre = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=base.peak_gathered_bytes + largest))).schedule
     for program in ("forward", "backward"):
         # (The backward does not gather again the units it keeps from the forward.)
         units = [i.unit for i in _gathers(base, program) if program == "forward" or i.unit not in pre.kept_for_backward]
@@ -88,16 +92,16 @@ def test_persistence_removes_those_units_gathers():
     base = _compile(fxzero.Config(stage=3, prefetch=None))
     root = next(u for u in base.layouts if u.name == "root")
     blocks = [u for u in base.layouts if u.name.startswith("blocks.")]
-    threshold = root.numel + 1  # the (small) root unit is under it, every block above
+    threshold = root.numel + 1  # the (small) root and tail units are under it, every block above
     assert all(u.numel >= threshold for u in blocks), "the test needs blocks above the threshold"
     s = _compile(fxzero.Config(stage=3, prefetch=None, persist_threshold=threshold)).schedule
-    assert s.persistent == ("root",)
+    assert s.persistent == ("root", "root:tail")
     for program in ("forward", "backward"):
         gathered = {i.unit for i in _gathers(s, program)}
         assert "root" not in gathered and gathered == {u.name for u in blocks}
     # A persistent unit is re-gathered after its optimizer step, like every unit at ZeRO-1/2.
     step = s.program("step").instructions
-    assert [i.unit for i in step if i.kind == "all_gather"] == ["root"]
+    assert [i.unit for i in step if i.kind == "all_gather"] == ["root", "root:tail"]
     # ...and its full buffer shows in the rewritten graph: its placeholder is not sharded.
     placeholder = next(
         n for n in _compile(fxzero.Config(stage=3, persist_threshold=threshold)).joint.graph.nodes

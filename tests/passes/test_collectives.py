@@ -43,7 +43,7 @@ def _gathers(gm) -> dict[tuple[str, str], list]:
     [
         # Layer 0's input needs no gradient, so its weight is not needed in the backward.
         ("mlp", {FORWARD: {"0", "2", "4"}, BACKWARD: {"2", "4"}}),
-        ("tied", {FORWARD: {"root", "blocks.0", "blocks.1"}, BACKWARD: {"root", "blocks.0", "blocks.1"}}),
+        ("tied", {FORWARD: {"root", "blocks.0", "blocks.1", "root:tail"}, BACKWARD: {"root", "blocks.0", "blocks.1", "root:tail"}}),
         # Frozen units are gathered like the others: layers.1's weight carries the gradient to layers.0.
         ("frozen", {FORWARD: {"layers.0", "layers.1:frozen", "layers.2", "layers.2:frozen"},
                     BACKWARD: {"layers.1:frozen", "layers.2:frozen"}}),

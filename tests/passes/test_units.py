@@ -28,9 +28,11 @@ def test_sequential_items_are_units_without_a_root_unit():
 
 def test_module_list_items_are_units_after_the_root_unit():
     layouts = plan_units(build("tied"), UnitsPolicy(), 2)
-    assert _names(layouts) == ["root", "blocks.0", "blocks.1"]
+    # The root's parameters after the blocks form the tail unit, last.
+    assert _names(layouts) == ["root", "blocks.0", "blocks.1", "root:tail"]
     # The head's weight is the embedding's: it is laid out once, under its first name.
-    assert _fqns(layouts, "root") == ["emb.weight", "norm.weight", "norm.bias"]
+    assert _fqns(layouts, "root") == ["emb.weight"]
+    assert _fqns(layouts, "root:tail") == ["norm.weight", "norm.bias"]
     assert _fqns(layouts, "blocks.1") == [
         "blocks.1.fc.weight",
         "blocks.1.fc.bias",
@@ -120,7 +122,7 @@ def test_policy_by_module_class():
 
 def test_policy_by_fqn_replaces_the_default():
     layouts = plan_units(build("tied"), UnitsPolicy(fqn_prefixes=("blocks.1",)), 2)
-    assert _names(layouts) == ["root", "blocks.1"]
+    assert _names(layouts) == ["root", "blocks.1", "root:tail"]
     assert "blocks.0.fc.weight" in _fqns(layouts, "root")
 
 
@@ -128,13 +130,14 @@ def test_policy_by_predicate_and_tied_head():
     policy = UnitsPolicy(predicate=lambda fqn, m: isinstance(m, nn.Linear))
     layouts = plan_units(build("tied"), policy, 2)
     # The head matches, but its only parameter is the embedding's, owned by the root unit.
-    assert _names(layouts) == ["root", "blocks.0.fc", "blocks.1.fc"]
+    assert _names(layouts) == ["root", "blocks.0.fc", "blocks.1.fc", "root:tail"]
     assert "emb.weight" in _fqns(layouts, "root")
+    assert _fqns(layouts, "root:tail") == ["blocks.1.norm.weight", "blocks.1.norm.bias", "norm.weight", "norm.bias"]
 
 
 def test_policy_matches_outermost_first():
     policy = UnitsPolicy(fqn_prefixes=("blocks",), module_classes=(nn.Linear,))
-    assert _names(plan_units(build("tied"), policy, 2)) == ["root", "blocks"]
+    assert _names(plan_units(build("tied"), policy, 2)) == ["root", "blocks", "root:tail"]
 
 
 def test_policy_matching_nothing_raises():
