@@ -273,7 +273,7 @@ def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, 
     _bound_in_flight(graph, writes, lookahead)
     # The moments are read `lookahead` updates ahead: before the reduce-scatter of the unit
     # updated that many places earlier (the first ones: before their own reduce-scatter); with a
-    # cost model, further back while the compute in between would not cover their read (the
+    # cost model, one more back where the compute in between would not cover their read (the
     # last updates come close together: the embedding's backward is short).
     updates = sorted((n for n in graph.nodes if is_kind(n, "optim_step")), key=order.__getitem__)
     scatters = [u.args[1].args[0] for u in updates]  # adamw(shard, wait(reduce_scatter), ...)
@@ -287,7 +287,8 @@ def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, 
             probe = Instruction(name="", kind="fetch", stream="io", algorithm=optimizer,
                                 bytes=2 * layout.shard_numel * layout.itemsize)
             read_s = cost_model.io_seconds(probe)
-            while back < j and sum(seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
+            while back < min(j, lookahead + 1) and sum(
+                    seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
                 back += 1
         for moment in (u.args[2].args[0], u.args[3].args[0]):  # adamw(.., wait(fetch m), wait(fetch v))
             scatters[j - back].prepend(moment)
