@@ -184,18 +184,20 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
 
     Each instruction starts when its stream is free and its dependencies have ended; a
     collective runs on the comm stream, a fetch or offload on the io stream, one at a time in
-    issue order; its wait (on the compute stream) ends when it has. Programs run back to back.
+    issue order; its wait (on the compute stream) ends when it has. Programs run back to back
+    on the compute stream; a collective one program leaves in flight (a gradient the step waits
+    for) goes on on its stream.
     """
     world = schedule.world_size
     clock = {"compute": 0.0, "comm": 0.0, "io": 0.0}
     busy = {"compute": 0.0, "comm": 0.0, "io": 0.0}
     exposed = {"comm": 0.0, "io": 0.0}
     events: list[Event] = []
+    stream_of: dict[str, str] = {}
+    end: dict[str, float] = {}
     for program in schedule.programs:
-        start_of_program = max(clock.values())
-        clock = {stream: start_of_program for stream in clock}
-        stream_of: dict[str, str] = {}
-        end: dict[str, float] = {}
+        start_of_program = clock["compute"]
+        clock = {stream: max(t, start_of_program) for stream, t in clock.items()}
         by_index: list[float] = []
         names = [i.name for i in program.instructions]
         for idx, ins in enumerate(program.instructions):

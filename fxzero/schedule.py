@@ -382,10 +382,59 @@ def _with_deps(instructions: list[Instruction]) -> list[Instruction]:
     ]
 
 
+def _carry_gradients(backward: ProgramSchedule, step_units: frozenset[str]
+                     ) -> tuple[ProgramSchedule, list[Instruction]]:
+    """The backward without its trailing waits for gradients (reduce-scatters whose results only
+    leave the program), and those reduce-scatters, in issue order: the step waits for them.
+
+    [Note: gradients carried into the step]
+    The backward's last reduce-scatters (the embedding's, issued after the last compute) would
+    otherwise be waited for at the backward's end with nothing left to overlap them. Instead the
+    waits the backward ends with move into the step (what is in flight when the backward ends
+    does not change): the collectives complete while the step updates the units whose gradients
+    arrived first, and the step waits for each gradient right before that unit's update ("the
+    optimizer step waits only for what it needs"). The backward's output is then the collective
+    itself; `validate` checks that the step program waits for every one of them.
+    """
+    by_name = {ins.name: ins for ins in backward.instructions}
+    read = {r for ins in backward.instructions for r in ins.reads}
+    outputs = set(backward.outputs)
+    # Only the waits the backward ends with: those placed earlier (the prefetch pass bounds the
+    # flat gradients in flight by its budget) stay where they are.
+    last = max((i for i, ins in enumerate(backward.instructions) if ins.kind != "wait"), default=-1)
+    carried = [
+        ins for ins in backward.instructions[last + 1 :]
+        if ins.kind == "wait" and ins.name in outputs and ins.name not in read and ins.unit in step_units
+        and by_name[ins.reads[0]].kind == "reduce_scatter"
+    ]
+    if not carried:
+        return backward, []
+    dropped = {ins.name for ins in carried}
+    keep = [i for i, ins in enumerate(backward.instructions) if ins.name not in dropped]
+    new_index = {old: new for new, old in enumerate(keep)}
+    instructions = tuple(
+        dataclasses.replace(backward.instructions[i], deps=tuple(new_index[d] for d in backward.instructions[i].deps
+                                                                 if d in new_index))
+        for i in keep
+    )
+    rename = {ins.name: ins.reads[0] for ins in carried}
+    program = dataclasses.replace(
+        backward, outputs=tuple(rename.get(o, o) for o in backward.outputs), instructions=instructions,
+        gathered_bytes=tuple(backward.gathered_bytes[i] for i in keep),
+    )
+    return program, [by_name[ins.reads[0]] for ins in carried]
+
+
 def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
                   tiers: Optional[dict[str, str]] = None, lookahead: int = 1,
-                  updated_in_backward: frozenset[str] = frozenset()) -> ProgramSchedule:
+                  updated_in_backward: frozenset[str] = frozenset(),
+                  order: Iterable[str] = (), carried: Iterable[Instruction] = ()) -> ProgramSchedule:
     """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered.
+
+    Units are updated in `order` (the order the backward reduce-scatters their gradients, so
+    the first update needs the gradient that arrived first), the rest after them in layout
+    order. A gradient still in flight (`carried`: its reduce-scatter, issued by the backward) is
+    waited for right before its unit's update; see [Note: gradients carried into the step].
 
     With offloaded states (`tiers`: state kind -> tier, for the kinds not on the device), each
     unit's step reads its states from their tiers (fetch, wait) and writes back what it changed
@@ -394,7 +443,10 @@ def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
     writes and the update overlap while only about 2 * lookahead + 1 units' states are in memory.
     """
     tiers = tiers or {}
-    trainable = [lay for lay in layouts if lay.trainable and lay.name not in updated_in_backward]
+    rank = {unit: i for i, unit in enumerate(order)}
+    trainable = sorted((lay for lay in layouts if lay.trainable and lay.name not in updated_in_backward),
+                       key=lambda lay: rank.get(lay.name, len(rank)))  # stable: the rest in layout order
+    in_flight = {ins.unit: ins for ins in carried}
 
     def fetched(layout: UnitLayout) -> list[str]:
         return [k for k in STATE_KINDS if k in tiers and not (k == "param" and layout.name in persistent)]
@@ -410,6 +462,8 @@ def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
             instructions += fetches(trainable[issued])
             issued += 1
         waits = [_wait(f) for f in fetches(layout)]
+        if layout.name in in_flight:
+            waits.append(_wait(in_flight[layout.name]))
         instructions += waits
         step = Instruction(
             name=f"optim_step:{layout.name}", kind="optim_step", stream="compute", unit=layout.name,
@@ -462,10 +516,15 @@ def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage
         updated_in_backward: units the backward program updates (no step instructions).
     """
     by_name = {u.name: u for u in layouts}
+    updated_in_backward = frozenset(updated_in_backward)
+    backward = _program_schedule(programs["backward"], by_name)
+    stepped = frozenset(u.name for u in layouts if u.trainable and u.name not in updated_in_backward)
+    backward, carried = _carry_gradients(backward, stepped)
+    order = [ins.unit for ins in backward.instructions if ins.kind == "reduce_scatter"]
     progs = (
         _program_schedule(programs["forward"], by_name),
-        _program_schedule(programs["backward"], by_name),
-        _step_program(layouts, persistent, tiers, lookahead, frozenset(updated_in_backward)),
+        backward,
+        _step_program(layouts, persistent, tiers, lookahead, updated_in_backward, order, carried),
     )
     schedule = Schedule(
         SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),
@@ -480,9 +539,13 @@ def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage
 # Validation
 
 
-def _validate_program(p: ProgramSchedule) -> None:
+def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruction]] = None
+                      ) -> dict[str, Instruction]:
+    """Check one program; `carried_in` are collectives an earlier program left in flight for
+    this one to wait for. Returns those this program leaves in flight (its outputs)."""
     defined = set(p.inputs)
-    pending: dict[str, Instruction] = {}  # collective and transfer results not yet waited for
+    # collective and transfer results not yet waited for
+    pending: dict[str, Instruction] = dict(carried_in or {})
     # gathered buffers and fetched shards, which must be freed (those kept from the forward too)
     live: set[str] = set(p.kept) & defined
     freed: set[str] = set()
@@ -524,6 +587,10 @@ def _validate_program(p: ProgramSchedule) -> None:
             live.discard(buf)
             freed.add(buf)
         defined.add(ins.name)
+    carried_out = {name: ins for name, ins in pending.items()
+                   if name in p.outputs and ins.kind == "reduce_scatter" and name not in (carried_in or {})}
+    for name in carried_out:
+        del pending[name]
     if pending:
         first = next(iter(pending.values()))
         raise ScheduleError(
@@ -533,6 +600,7 @@ def _validate_program(p: ProgramSchedule) -> None:
     if live:
         raise ScheduleError(f"{p.name} program: gathered or fetched buffers {sorted(live)} are never freed")
     assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"
+    return carried_out
 
 
 def validate(schedule: Schedule) -> None:
@@ -542,8 +610,12 @@ def validate(schedule: Schedule) -> None:
             "schedule fingerprint does not match its contents: the schedule was edited after "
             "it was built; rebuild it with build_schedule"
         )
+    carried: dict[str, Instruction] = {}  # a program's reduce-scatters the next one waits for
     for p in schedule.programs:
-        _validate_program(p)
+        carried = _validate_program(p, carried)
+    if carried:
+        first = next(iter(carried.values()))
+        raise ScheduleError(f"{first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)")
 
 
 def check_fingerprints(fingerprints: list[str], *, rank: int) -> None:

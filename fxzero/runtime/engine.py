@@ -27,7 +27,7 @@ from fxzero import cost
 from fxzero.compiler import CompiledProgram, compile_program, plan_layouts
 from fxzero.passes import persistent_units
 from fxzero.config import Config
-from fxzero.runtime.comm import Comm, make_comm
+from fxzero.runtime.comm import Comm, Pending, make_comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
@@ -319,7 +319,15 @@ class Engine:
         return list(self._record or [])
 
     def zero_grad(self) -> None:
+        self._settle_grads()
         self._grads.clear()
+
+    def _settle_grads(self) -> None:
+        """Wait for the gradients the backward left in flight (the step waits for them one by
+        one, before each unit's update; see [Note: gradients carried into the step])."""
+        for unit, grad in self._grads.items():
+            if isinstance(grad, Pending):
+                self._grads[unit] = grad.wait()
 
     # -- state and reports -----------------------------------------------------------------
 
@@ -363,6 +371,7 @@ class Engine:
         """
         params = _storage_bytes(self._params.values())
         persistent = _storage_bytes(t for u, t in self._params.items() if u in self._whole)
+        self._settle_grads()
         grads = _storage_bytes(self._grads.values())
         optim = sum(s.nbytes for s in self._optim.values())
         return {
@@ -386,6 +395,7 @@ class Engine:
 
     def close(self) -> None:
         """Finish offload I/O in flight and remove this rank's NVMe files (also done at exit)."""
+        self._settle_grads()
         if self.store is not None:
             self.store.close()
 

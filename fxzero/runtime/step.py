@@ -1,8 +1,8 @@
 """Run the step program: AdamW per unit, with offloaded states streamed through memory.
 
 The step program (`fxzero.schedule._step_program`) is a list of instructions like the forward's:
-`fetch` / `offload` (a state of one unit from / to its tier, on the io stream), `wait`,
-`optim_step` and, for persistent units, `all_gather` + `wait` of the updated full buffer. States
+`fetch` / `offload` (a state of one unit from / to its tier, on the io stream), `wait` (of a
+fetch, an offload, or a gradient's reduce-scatter the backward left in flight), `optim_step` and, for persistent units, `all_gather` + `wait` of the updated full buffer. States
 on the device are read from the engine's dicts in place; fetched ones live in this run's
 environment until their last reader (the offload writing them back), so memory holds only the
 units the schedule has in flight.
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from fxzero.config import AdamW
-from fxzero.runtime.comm import Comm
+from fxzero.runtime.comm import Comm, Pending
 from fxzero.runtime.executor import _last_reads
 from fxzero.runtime.offload import OffloadStore
 from fxzero.runtime.optim import AdamWState, adamw_step
@@ -47,6 +47,11 @@ class StepRunner:
         self.state_of = {ins.name: ins.state for ins in program.instructions if ins.kind == "fetch"}
         self.read = {r for ins in program.instructions for r in ins.reads}
         self.written = {ins.name for ins in program.instructions if ins.kind == "offload"}
+        # Gradients the backward left in flight (its reduce-scatters, named by the waits here
+        # that read them): see [Note: gradients carried into the step] in fxzero/schedule.py.
+        defined = {ins.name for ins in program.instructions}
+        self.carried = {ins.reads[0]: ins.unit for ins in program.instructions
+                        if ins.kind == "wait" and ins.reads[0] not in defined}
 
     @torch.no_grad()
     def run(self, *, shard_of, full_of, grads: dict[str, torch.Tensor], optim: dict[str, AdamWState],
@@ -54,7 +59,7 @@ class StepRunner:
         """Update every trainable unit. Resident moments are kept in `optim` (created on first
         use); offloaded ones are written back with their step count kept in `optim` too, over
         empty tensors."""
-        env: dict[str, Any] = {}
+        env: dict[str, Any] = {src: grads[unit] for src, unit in self.carried.items()}
         fetched_by: dict[str, str] = {}  # wait name -> the state it fetched
         for i, ins in enumerate(self.program.instructions):
             if ins.kind == "fetch":
@@ -62,13 +67,17 @@ class StepRunner:
                 env[ins.name] = self.store.fetch(ins.state, ins.unit, ins.numel, layout.dtype, pool=self.pool)
             elif ins.kind == "wait":
                 (src,) = ins.reads
-                env[ins.name] = env[src].wait()
-                if src in self.state_of:
+                value = env[src]
+                # A carried gradient may be settled already (memory_report waits for them).
+                env[ins.name] = value.wait() if isinstance(value, Pending) or src not in self.carried else value
+                if src in self.carried:
+                    grads[ins.unit] = env[ins.name]
+                elif src in self.state_of:
                     fetched_by[ins.name] = self.state_of[src]
                 elif src in self.written:
                     self.pool.give(env.pop(ins.name))  # on its tier now: the buffer is free
             elif ins.kind == "optim_step":
-                fetched = {fetched_by[r]: env[r] for r in ins.reads}
+                fetched = {fetched_by[r]: env[r] for r in ins.reads if r in fetched_by}
                 env[ins.name] = self._update(ins.unit, fetched, shard_of, grads, optim, gradless)
                 if "grad" in fetched:  # consumed by the update, not written back
                     self.pool.give(fetched["grad"])

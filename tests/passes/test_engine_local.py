@@ -130,3 +130,24 @@ def test_buffers_kept_for_the_backward_are_released():
     plain = fxzero.compile(build("mlp"), fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False)))
     loss = _loss(plain(x))
     assert plain.schedule.kept_for_backward == () and plain.memory_report()["gathered"] == 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_gradient_dropped_by_zero_grad_never_reaches_the_step(stage):
+    """The backward leaves its last reduce-scatters in flight for the step to wait for; a
+    zero_grad in between waits for them and drops them: the next step uses only the next
+    backward's gradients."""
+    _, state = _reference("mlp")
+    engines = [fxzero.compile(build("mlp"), fxzero.Config(stage=stage, optimizer=OPTIM), state_dict=state)
+               for _ in range(2)]
+    for n, engine in enumerate(engines):
+        if n == 0:
+            engine.backward(_loss(engine(real_input("mlp", seed=1))))
+            engine.zero_grad()  # discarded
+        engine.backward(_loss(engine(real_input("mlp", seed=2))))
+        assert engine.memory_report()["grad_shards"] > 0  # reports settle the gradients in flight
+        engine.step()
+    step = engines[0].schedule.program("step")
+    assert any(i.kind == "wait" for i in step.instructions), "the step waits for a gradient in flight"
+    a, b = engines[0].full_state_dict(), engines[1].full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import fxzero
 from fxzero.schedule import (
@@ -99,8 +100,12 @@ def test_default_config_schedules_validate_and_round_trip(name, stage):
 
 def test_instructions_follow_program_order_on_named_streams(mlp3):
     programs = compiled("mlp", 3, 2).programs
+    # The waits for the gradients the backward leaves in flight moved into the step program.
+    carried = {i.reads[0] for i in mlp3.program("step").instructions if i.kind == "wait"}
+    assert carried
     for name in ("forward", "backward"):
-        nodes = [n.name for n in programs[name].gm.graph.nodes if n.op == "call_function"]
+        nodes = [n.name for n in programs[name].gm.graph.nodes if n.op == "call_function"
+                 and not (n.target is torch.ops.fxzero.wait.default and n.args[0].name in carried)]
         p = mlp3.program(name)
         assert [i.name for i in p.instructions] == nodes
         assert p.inputs == tuple(n.name for n in programs[name].gm.graph.nodes if n.op == "placeholder")
@@ -144,15 +149,27 @@ def test_unsharded_stages_gather_only_in_the_step(name, stage):
         assert not [i for i in schedule.program(p).instructions if i.kind in ("all_gather", "free")]
     step = schedule.program("step")
     trainable = [u.name for u in schedule.units if u.trainable]
-    assert [i.unit for i in step.instructions if i.kind == "all_gather"] == trainable
-    assert [i.unit for i in step.instructions if i.kind == "optim_step"] == trainable
+    # in the order the backward reduce-scatters the gradients
+    arrival = [i.unit for i in schedule.program("backward").instructions if i.kind == "reduce_scatter"]
+    assert sorted(arrival) == sorted(trainable) and arrival != trainable
+    assert [i.unit for i in step.instructions if i.kind == "all_gather"] == arrival
+    assert [i.unit for i in step.instructions if i.kind == "optim_step"] == arrival
     assert schedule.peak_gathered_bytes == 0
 
 
-def test_stage3_step_only_runs_the_optimizer():
-    step = compiled("frozen", 3, 2).schedule.program("step")
-    expected = [("optim_step", "layers.0"), ("optim_step", "layers.2")]
+def test_stage3_step_waits_for_each_gradient_right_before_its_update():
+    schedule = compiled("frozen", 3, 2).schedule
+    step = schedule.program("step")
+    # In gradient arrival order; layers.2's gradient was waited for in the backward (the
+    # prefetch pass placed that wait), layers.0's reduce-scatter, the backward's last
+    # instruction, is still in flight when the step starts.
+    expected = [("optim_step", "layers.2"), ("wait", "layers.0"), ("optim_step", "layers.0")]
     assert [(i.kind, i.unit) for i in step.instructions] == expected
+    # The backward hands over the reduce-scatter itself, in flight: its output names it.
+    backward = schedule.program("backward")
+    (waited,) = [i.reads[0] for i in step.instructions if i.kind == "wait"]
+    assert backward.instructions[-1].name == waited and waited in backward.outputs
+    assert step.instructions[-1].reads == (f"wait:{waited}",)
 
 
 def test_same_model_gives_the_same_fingerprint():
@@ -205,10 +222,20 @@ def test_missing_wait_is_rejected(mlp3):
 
 def test_collective_never_waited_for_is_rejected(mlp3):
     bwd = mlp3.program("backward")
-    last_wait = _index(bwd, "wait", -1)
-    assert bwd.instructions[last_wait - 1].kind == "reduce_scatter"
-    broken = _with_program(mlp3, _rebuild(bwd, [i for i in range(len(bwd.instructions)) if i != last_wait]))
+    rs = bwd.instructions[_index(bwd, "reduce_scatter", -1)]
+    assert rs.name in bwd.outputs  # left in flight for the step; not an output: never waited
+    broken = _with_program(mlp3, dataclasses.replace(bwd, outputs=tuple(o for o in bwd.outputs if o != rs.name)))
     with pytest.raises(ScheduleError, match=r"backward program: reduce_scatter \S+ of unit '0' is never waited"):
+        validate(broken)
+
+
+def test_gradient_the_step_never_waits_for_is_rejected(mlp3):
+    step = mlp3.program("step")
+    wait = _index(step, "wait", -1)
+    gone = step.instructions[wait].name
+    replace = {i.name: {"reads": tuple(r for r in i.reads if r != gone)} for i in step.instructions if gone in i.reads}
+    broken = _with_program(mlp3, _rebuild(step, [i for i in range(len(step.instructions)) if i != wait], replace))
+    with pytest.raises(ScheduleError, match=r"step program: reduce_scatter \S+ of unit '0' is never waited"):
         validate(broken)
 
 
