@@ -422,19 +422,20 @@ def _carry_gradients(backward: ProgramSchedule, step_units: frozenset[str]
         backward, outputs=tuple(rename.get(o, o) for o in backward.outputs), instructions=instructions,
         gathered_bytes=tuple(backward.gathered_bytes[i] for i in keep),
     )
-    return program, [by_name[ins.reads[0]] for ins in carried]
+    position = {ins.name: i for i, ins in enumerate(backward.instructions)}
+    return program, sorted((by_name[ins.reads[0]] for ins in carried), key=lambda rs: position[rs.name])
 
 
 def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
                   tiers: Optional[dict[str, str]] = None, lookahead: int = 1,
                   updated_in_backward: frozenset[str] = frozenset(),
-                  order: Iterable[str] = (), carried: Iterable[Instruction] = ()) -> ProgramSchedule:
+                  carried: Iterable[Instruction] = ()) -> ProgramSchedule:
     """The optimizer step: AdamW on each trainable unit's shard; persistent units re-gathered.
 
-    Units are updated in `order` (the order the backward reduce-scatters their gradients, so
-    the first update needs the gradient that arrived first), the rest after them in layout
-    order. A gradient still in flight (`carried`: its reduce-scatter, issued by the backward) is
-    waited for right before its unit's update; see [Note: gradients carried into the step].
+    Units whose gradients are ready are updated first, in layout order; then those whose
+    gradient is still in flight (`carried`: its reduce-scatter, issued by the backward), in the
+    order they were issued, each waited for right before its update; see [Note: gradients
+    carried into the step].
 
     With offloaded states (`tiers`: state kind -> tier, for the kinds not on the device), each
     unit's step reads its states from their tiers (fetch, wait) and writes back what it changed
@@ -443,10 +444,10 @@ def _step_program(layouts: list[UnitLayout], persistent: frozenset[str],
     writes and the update overlap while only about 2 * lookahead + 1 units' states are in memory.
     """
     tiers = tiers or {}
-    rank = {unit: i for i, unit in enumerate(order)}
-    trainable = sorted((lay for lay in layouts if lay.trainable and lay.name not in updated_in_backward),
-                       key=lambda lay: rank.get(lay.name, len(rank)))  # stable: the rest in layout order
     in_flight = {ins.unit: ins for ins in carried}
+    arrival = {unit: i for i, unit in enumerate(in_flight)}
+    trainable = sorted((lay for lay in layouts if lay.trainable and lay.name not in updated_in_backward),
+                       key=lambda lay: arrival.get(lay.name, -1))  # stable: the ready ones in layout order
 
     def fetched(layout: UnitLayout) -> list[str]:
         return [k for k in STATE_KINDS if k in tiers and not (k == "param" and layout.name in persistent)]
@@ -520,11 +521,10 @@ def build_schedule(programs: dict[str, Any], layouts: list[UnitLayout], *, stage
     backward = _program_schedule(programs["backward"], by_name)
     stepped = frozenset(u.name for u in layouts if u.trainable and u.name not in updated_in_backward)
     backward, carried = _carry_gradients(backward, stepped)
-    order = [ins.unit for ins in backward.instructions if ins.kind == "reduce_scatter"]
     progs = (
         _program_schedule(programs["forward"], by_name),
         backward,
-        _step_program(layouts, persistent, tiers, lookahead, updated_in_backward, order, carried),
+        _step_program(layouts, persistent, tiers, lookahead, updated_in_backward, carried),
     )
     schedule = Schedule(
         SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),

@@ -199,9 +199,8 @@ def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahe
     sharded = [u.name for u in schedule.units if u.trainable and u.name not in schedule.persistent]
     updates = [i for i in backward if i.kind == "optim_step"]
     assert sorted(i.unit for i in updates) == sorted(sharded)
-    # The persistent root is still updated by the step program, from its stored gradient, in
-    # the order the backward reduce-scatters the gradients (the tail's first).
-    assert [i.unit for i in step if i.kind == "optim_step"] == ["root:tail", "root"]
+    # The persistent root is still updated by the step program, from its stored gradient.
+    assert [i.unit for i in step if i.kind == "optim_step"] == ["root", "root:tail"]
     assert ("grad", "root") in {(i.state, i.unit) for i in backward if i.kind == "offload"}
     kept = schedule.program("backward").kept  # shards kept from the forward: inputs, not fetched here
     assert schedule.shards_kept_for_backward

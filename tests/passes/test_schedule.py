@@ -149,11 +149,15 @@ def test_unsharded_stages_gather_only_in_the_step(name, stage):
         assert not [i for i in schedule.program(p).instructions if i.kind in ("all_gather", "free")]
     step = schedule.program("step")
     trainable = [u.name for u in schedule.units if u.trainable]
-    # in the order the backward reduce-scatters the gradients
-    arrival = [i.unit for i in schedule.program("backward").instructions if i.kind == "reduce_scatter"]
-    assert sorted(arrival) == sorted(trainable) and arrival != trainable
-    assert [i.unit for i in step.instructions if i.kind == "all_gather"] == arrival
-    assert [i.unit for i in step.instructions if i.kind == "optim_step"] == arrival
+    # Units whose gradients the backward waited for first, in layout order; then those whose
+    # reduce-scatters are still in flight, in the order the backward issued them.
+    defined = {i.name for i in step.instructions}
+    in_flight = [i.unit for i in step.instructions if i.kind == "wait" and i.reads[0] not in defined]
+    issued = [i.unit for i in schedule.program("backward").instructions if i.kind == "reduce_scatter"]
+    assert in_flight and in_flight == [u for u in issued if u in in_flight]
+    order = [u for u in trainable if u not in in_flight] + in_flight
+    assert [i.unit for i in step.instructions if i.kind == "all_gather"] == order
+    assert [i.unit for i in step.instructions if i.kind == "optim_step"] == order
     assert schedule.peak_gathered_bytes == 0
 
 
