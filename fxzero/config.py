@@ -229,9 +229,10 @@ class Offload:
     """Optimizer step: units whose states are fetched ahead of the one being updated."""
     step_in_backward: bool = False
     """Update each sharded unit inside the backward, as soon as its gradient is reduced (its
-    parameter shard is still in memory from the backward's gather), instead of in step(): the
-    gradient is never written to a tier, the parameter never read a third time, and the update
-    overlaps the rest of the backward. Needs params and optimizer offloaded; step() then only
+    parameter shard is still in memory from the backward's gather; a unit the backward does not
+    gather, such as an embedding, reads its shard for the update alone), instead of in step():
+    the gradient is never written to a tier, the parameter never read a third time, and the
+    update overlaps the rest of the backward. Needs params and optimizer offloaded; step() then only
     handles persistent units. Like torch's optimizer-in-backward: no gradient clipping or
     inspection between backward() and step()."""
 

@@ -214,6 +214,10 @@ def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, 
     results = list(out.args[0])
     # unit -> the backward's fetched parameter shard (read in the backward, or kept from the forward)
     shard_of = _fetched_shards(graph, BACKWARD)
+    # A unit on the tier that the backward does not gather (an embedding: no backward op reads its
+    # weight) gets a fetch of its shard for the update alone, read ahead like its moments.
+    in_forward = _fetched_shards(graph, FORWARD)
+    read_for_update: dict[str, fx.Node] = {}
     writes: list[tuple[fx.Node, list[fx.Node]]] = []
     fused = []
     scatters = [n for n in graph.nodes if is_kind(n, "reduce_scatter") and phase(n) == BACKWARD]
@@ -221,9 +225,18 @@ def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, 
         if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
             continue
         unit = r.meta["fxzero"]["unit"]
-        if unit not in shard_of or any(u is not out for u in r.users):
+        if unit not in shard_of and unit not in in_forward or any(u is not out for u in r.users):
             continue  # a persistent unit (no fetched shard): updated by the step program
-        shard = shard_of[unit]
+        if unit not in shard_of:
+            unit_node = in_forward[unit].args[0].args[0]
+            with graph.inserting_before(r):  # the fetch moves ahead below, with the moments'
+                fetch_param = graph.call_function(OPS["fetch"], (unit_node, unit, "param"))
+                shard = graph.call_function(OPS["wait"], (fetch_param,))
+            tag(fetch_param, kind="fetch", unit=unit, phase=BACKWARD, state="param", algorithm=params)
+            tag(shard, kind="wait", unit=unit, phase=BACKWARD, waits_for=fetch_param.name)
+            read_for_update[unit] = fetch_param
+        else:
+            shard = shard_of[unit]
         fetch_param, unit_node = shard.args[0], shard.args[0].args[0]
         # The update runs while the next unit's backward computes, not in a burst at the end
         # (prefetch may have sunk the reduce-scatter's wait there): its wait goes right before
@@ -284,14 +297,18 @@ def _fuse_steps(graph: fx.Graph, ctx: PassContext, params: str, optimizer: str, 
         back = min(j, lookahead)
         if seconds is not None:
             layout = ctx.layout(u.args[4])
+            states = 3 if u.args[4] in read_for_update else 2
             probe = Instruction(name="", kind="fetch", stream="io", algorithm=optimizer,
-                                bytes=2 * layout.shard_numel * layout.itemsize)
+                                bytes=states * layout.shard_numel * layout.itemsize)
             read_s = cost_model.io_seconds(probe)
             while back < min(j, lookahead + 1) and sum(
                     seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
                 back += 1
-        for moment in (u.args[2].args[0], u.args[3].args[0]):  # adamw(.., wait(fetch m), wait(fetch v))
-            scatters[j - back].prepend(moment)
+        reads = (u.args[2].args[0], u.args[3].args[0])  # adamw(.., wait(fetch m), wait(fetch v))
+        if u.args[4] in read_for_update:
+            reads = (read_for_update[u.args[4]],) + reads
+        for fetch in reads:
+            scatters[j - back].prepend(fetch)
     return fused
 
 

@@ -236,3 +236,23 @@ def test_step_in_backward_updates_each_sharded_unit_once_in_the_backward(lookahe
 def test_step_in_backward_needs_params_and_optimizer_offloaded():
     with pytest.raises(ValueError, match="offload both params= and optimizer="):
         fxzero.Offload(optimizer=NVME, step_in_backward=True)
+
+
+def test_step_in_backward_reads_a_shard_the_backward_does_not_gather_for_its_update():
+    # Untied head: the root is the embedding alone, whose weight no backward op reads, so the
+    # backward does not gather it; its shard is fetched for the update, ahead like its moments.
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny", n_blocks=6, tie_head=False)
+    cfg = fxzero.Config(offload=fxzero.Offload(params=NVME, optimizer=NVME, step_in_backward=True), cost_model=None)
+    schedule = fxzero.compile_program(model, model.example_inputs(batch=2), cfg, world_size=2).schedule
+    backward = _ins(schedule, "backward")
+    assert "root" not in {i.unit for i in backward if i.kind == "all_gather"}
+    sharded = [u.name for u in schedule.units if u.trainable and u.name not in schedule.persistent]
+    assert sorted(i.unit for i in backward if i.kind == "optim_step") == sorted(sharded)
+    assert not [i for i in _ins(schedule, "step") if i.kind == "optim_step"]  # nothing left for the step
+    index = {i.name: n for n, i in enumerate(backward)}
+    (read,) = [i for i in backward if i.kind == "fetch" and i.unit == "root" and i.state == "param"]
+    (scatter,) = [i for i in backward if i.kind == "reduce_scatter" and i.unit == "root"]
+    (update,) = [i for i in backward if i.kind == "optim_step" and i.unit == "root"]
+    assert index[read.name] < index[scatter.name] < index[update.name]  # read before the gradient is
+    assert not [i for i in backward if i.kind == "offload" and i.state == "grad"]  # no gradient round trip

@@ -50,6 +50,12 @@ PLACEMENTS = {
     "cpu-step-in-backward-persistent-root": (
         3, lambda d: fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu(), step_in_backward=True)
     ),
+    # Untied head: the root is the embedding alone, which the backward does not gather; its
+    # shard is fetched in the backward for its update alone.
+    "device-untied": (3, lambda d: fxzero.Offload()),
+    "nvme-step-in-backward-untied": (
+        3, lambda d: fxzero.Offload(params=fxzero.Nvme(path=d), optimizer=fxzero.Nvme(path=d), step_in_backward=True)
+    ),
     "stage2-device": (2, lambda d: fxzero.Offload()),
     "stage2-optimizer-nvme": (2, lambda d: fxzero.Offload(optimizer=fxzero.Nvme(path=d))),
 }
@@ -57,21 +63,32 @@ PLACEMENTS = {
 
 @functools.cache
 def _workload():
-    torch.manual_seed(0)
-    state = clone_state_dict(zoo.build("gpt-tiny"))
-    return state, make_gpt_batches(zoo.GPT_SIZES["tiny"], STEPS, GLOBAL_BATCH, seed=1)
+    """Initial states of the tied and the untied gpt-tiny (by `untied`), and the batches."""
+    states = {}
+    for untied in (False, True):
+        torch.manual_seed(0)
+        states[untied] = clone_state_dict(zoo.build("gpt-tiny", tie_head=not untied))
+    return states, make_gpt_batches(zoo.GPT_SIZES["tiny"], STEPS, GLOBAL_BATCH, seed=1)
 
 
-def _train(rank: int, world: int, name: str, nvme_dir: str, state, batches) -> dict[str, Any]:
+def _base(name: str) -> str:
+    """The device-resident run an offloaded run must match."""
+    if PLACEMENTS[name][0] != 3:
+        return "stage2-device"
+    return "device-untied" if name.endswith("-untied") else "device"
+
+
+def _train(rank: int, world: int, name: str, nvme_dir: str, states, batches) -> dict[str, Any]:
     stage, offload = PLACEMENTS[name]
+    untied = name.endswith("-untied")
     # gpt-tiny's root unit (3,648 parameters) stays whole under this threshold: its parameters
     # remain resident while its optimizer states are offloaded.
     threshold = 5000 if "persistent-root" in name else 0
     cfg = fxzero.Config(stage=stage, optimizer=ADAMW, offload=offload(nvme_dir), cost_model=None,
                         persist_threshold=threshold)
     with torch.device("meta"):
-        model = zoo.build("gpt-tiny")
-    engine = fxzero.compile(model, cfg, state_dict=state)
+        model = zoo.build("gpt-tiny", tie_head=not untied)
+    engine = fxzero.compile(model, cfg, state_dict=states[untied])
     losses = []
     for x, y in batches:
         logits = engine(rank_slice(x, rank, world))
@@ -94,7 +111,7 @@ def _train(rank: int, world: int, name: str, nvme_dir: str, state, batches) -> d
     }
 
 
-def _train_all(rank: int, world: int, names: list[str], state, batches) -> dict[str, Any]:
+def _train_all(rank: int, world: int, names: list[str], states, batches) -> dict[str, Any]:
     out = {}
     for name in names:
         nvme_dir = os.path.join(tempfile.gettempdir(), f"fxzero-test-offload-{os.getppid()}-{name}")
@@ -102,7 +119,7 @@ def _train_all(rank: int, world: int, names: list[str], state, batches) -> dict[
             os.makedirs(nvme_dir, exist_ok=True)
         if world > 1:
             dist.barrier()
-        out[name] = _train(rank, world, name, nvme_dir, state, batches)
+        out[name] = _train(rank, world, name, nvme_dir, states, batches)
         if world > 1:
             dist.barrier()
         if rank == 0:
@@ -112,15 +129,14 @@ def _train_all(rank: int, world: int, names: list[str], state, batches) -> dict[
 
 @pytest.fixture(scope="module", params=(1, 2), ids=lambda w: f"world{w}")
 def runs(request) -> tuple[int, list[dict[str, Any]]]:
-    state, batches = _workload()
-    return request.param, run_ranks(_train_all, request.param, list(PLACEMENTS), state, batches, timeout_s=600)
+    states, batches = _workload()
+    return request.param, run_ranks(_train_all, request.param, list(PLACEMENTS), states, batches, timeout_s=600)
 
 
-@pytest.mark.parametrize("name", [n for n in PLACEMENTS if n not in ("device", "stage2-device")])
+@pytest.mark.parametrize("name", [n for n in PLACEMENTS if n != _base(n)])
 def test_offloaded_training_matches_device_resident(runs, name: str) -> None:
     world, per_rank = runs
-    stage = PLACEMENTS[name][0]
-    base = per_rank[0]["device" if stage == 3 else "stage2-device"]
+    base = per_rank[0][_base(name)]
     got = per_rank[0][name]
     # Exact: offloading moves bytes and changes no arithmetic.
     assert got["losses"] == base["losses"], f"{name} world {world}: {got['losses']} vs {base['losses']}"
