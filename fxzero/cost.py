@@ -257,6 +257,21 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
+def _sustained(fn, seconds: float = 0.25) -> float:
+    """Mean seconds per call of `fn` over about `seconds` of calls.
+
+    A compute probe's rate is what a step will see, not a best case: on a shared machine the
+    rate of one short call swings (back-to-back 10 ms matmul probes a second apart measured 53
+    to 100 GFLOP/s on the 2-core development box), so the probe runs long enough to average.
+    """
+    once = _time(fn, 1)
+    calls = max(3, min(200, int(seconds / max(once, 1e-6))))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
 def _fit(points: list[tuple[float, float]]) -> Link:
     """latency + bytes / bandwidth through (bytes, seconds) points: latency from the smallest
     message, bandwidth from the largest (the slope between them; timing noise cannot make it
@@ -276,10 +291,12 @@ def calibrate(*, comm=None, sizes: tuple[int, ...] = (1 << 12, 1 << 23), name: s
     # A transformer-shaped matmul (tokens x width @ width x 3 width), and a copy far larger
     # than the caches, so neither probe measures a best case the model never sees.
     a, b = torch.randn(512, 512), torch.randn(512, 1536)
-    flops = 2 * 512 * 512 * 1536 / _time(lambda: a @ b, 3)
     big = torch.empty(1 << 24)
     src = torch.randn(1 << 24)
-    mem = 2 * big.numel() * 4 / _time(lambda: big.copy_(src), 3)
+    if comm is not None and comm.world_size > 1:  # every rank computes at once, as in a step
+        comm.all_gather(torch.empty(comm.world_size), torch.zeros(1), count=False).wait()
+    flops = 2 * 512 * 512 * 1536 / _sustained(lambda: a @ b)
+    mem = 2 * big.numel() * 4 / _sustained(lambda: big.copy_(src), 0.15)
     tiny = torch.ones(8)
     overhead = _time(lambda: [torch.ops.aten.add.Tensor(tiny, tiny) for _ in range(200)], 3) / 200
     links: dict[str, Link] = {}
