@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 import torch
 import torch.nn as nn
 
-from fxzero import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
+from fxzero.ir import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
 from fxzero.compiler import CompiledProgram, compile_program
 from fxzero.config import AdamW, Bucket, Config, Cpu, Device, LinkEmulation, Nvme, Offload, Prefetch, UnitsPolicy
 from fxzero.runtime.engine import Engine

@@ -16,10 +16,12 @@ import torch.nn as nn
 from fxzero.config import Config
 from fxzero.passes import build_pipeline, persistent_units
 from fxzero.passes.runner import PassContext, PassRecord, run_pipeline
-from fxzero.passes.split import Program
+from fxzero.ir.program import Program
 from fxzero.schedule import Schedule, build_schedule
-from fxzero.trace import JointSignature, trace_joint
-from fxzero.units import UnitLayout, bucket_units, plan_units
+from fxzero.ir.signature import JointSignature
+from fxzero.trace import trace_joint
+from fxzero.ir.layout import UnitLayout
+from fxzero.units import bucket_units, plan_units
 
 __all__ = ["CompiledProgram", "compile_program", "plan_layouts"]
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Literal, Optional
 
-from fxzero.units import UnitLayout
+from fxzero.ir.layout import UnitLayout
 
 __all__ = [
     "BYTES_PER_PARAM",

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxzero.passes.analysis import alias_source
+from fxzero.ir.alias import alias_source
 from fxzero.schedule import ProgramSchedule
-from fxzero.units import UnitLayout
+from fxzero.ir.layout import UnitLayout
 
 __all__ = ["program_live_bytes"]
 

@@ -23,44 +23,21 @@ and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
-from fxzero._compat import FakeTensorMode, get_decompositions, make_fx
+from fxzero._compat import FakeTensorMode, get_decompositions, make_fx, pytree
+from fxzero.ir.signature import JointSignature
 
-__all__ = ["JointSignature", "TracedJoint", "trace_joint"]
+__all__ = ["TracedJoint", "trace_joint"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
 # decomposition does the update with explicit copy_, which functionalization can see.
 _DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
-
-
-@dataclasses.dataclass(frozen=True)
-class JointSignature:
-    """What the flat inputs and outputs of a joint graph mean."""
-
-    param_fqns: tuple[str, ...]
-    """Unique parameters, in placeholder order."""
-    trainable_fqns: tuple[str, ...]
-    """Parameters that receive a gradient, in the order of the grad outputs."""
-    buffer_fqns: tuple[str, ...]
-    num_inputs: int
-    out_spec: pytree.TreeSpec
-    """Structure of the model's outputs, to rebuild them from the flat list."""
-    num_outputs: int
-    differentiable: tuple[bool, ...]
-    """Per flat output: whether it has a grad_output placeholder (floating point outputs)."""
-    mutated_buffers: tuple[str, ...]
-    """Buffers the forward updates, in the order of the new_buffers outputs."""
-    gradless_fqns: tuple[str, ...] = ()
-    """Trainable parameters the outputs do not depend on (autograd gives them no gradient);
-    like torch.optim, the optimizer leaves them untouched."""
 
 
 @dataclasses.dataclass

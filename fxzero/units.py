@@ -1,4 +1,4 @@
-"""Units and flat layouts: how parameters are grouped and laid out for sharding.
+"""Units: how parameters are grouped for sharding, and buckets of small units.
 
 A unit is the granularity of sharding (FSDP's "wrapping"): its parameters live in one flat
 buffer, padded to a multiple of the world size; rank r holds slice r. The grouping depends only
@@ -8,102 +8,17 @@ so every rank computes the same result without talking to the others.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterator
-
-import torch
 import torch.nn as nn
 
 from fxzero.config import UnitsPolicy
+from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
 
-__all__ = ["ParamSlot", "UnitLayout", "bucket_units", "plan_units", "unique_parameters"]
+__all__ = ["FROZEN_SUFFIX", "ROOT", "TAIL", "bucket_units", "plan_units"]
 
 ROOT = "root"
 TAIL = "root:tail"
 """The root's parameters registered after the blocks (final norm, untied head): see `plan_units`."""
 FROZEN_SUFFIX = ":frozen"
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives inside its unit's flat buffer."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitLayout:
-    """One unit's flat buffer: which parameters, where, and how it is split across ranks."""
-
-    name: str
-    slots: tuple[ParamSlot, ...]
-    dtype: torch.dtype
-    world_size: int
-    trainable: bool
-    """False for units of frozen parameters: gathered, never reduced, no optimizer state."""
-
-    @property
-    def numel(self) -> int:
-        """Parameter elements, without padding."""
-        return sum(s.numel for s in self.slots)
-
-    @property
-    def padded_numel(self) -> int:
-        """Length of the flat buffer: numel rounded up to a multiple of the world size."""
-        return -(-self.numel // self.world_size) * self.world_size
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """[start, end) of rank's slice in the flat buffer."""
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def shard_ranges(self, rank: int, skip: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
-        """[lo, hi) ranges, relative to rank's shard, covered by parameters not in `skip`.
-
-        Padding is never covered; adjacent ranges are merged.
-        """
-        lo, hi = self.shard_range(rank)
-        out: list[tuple[int, int]] = []
-        for s in self.slots:
-            if s.fqn in skip:
-                continue
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a >= b:
-                continue
-            if out and out[-1][1] == a - lo:
-                out[-1] = (out[-1][0], b - lo)
-            else:
-                out.append((a - lo, b - lo))
-        return out
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "world_size": self.world_size,
-            "trainable": self.trainable,
-            "slots": [[s.fqn, list(s.shape), s.offset, s.numel] for s in self.slots],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> "UnitLayout":
-        slots = tuple(ParamSlot(f, tuple(shape), off, n) for f, shape, off, n in d["slots"])
-        return cls(d["name"], slots, getattr(torch, d["dtype"]), d["world_size"], d["trainable"])
-
-
-def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters by their first FQN; a tied parameter appears once."""
-    return dict(model.named_parameters(remove_duplicate=True))
 
 
 def _is_block_container(module: nn.Module) -> bool:
@@ -251,9 +166,3 @@ def bucket_units(layouts: list[UnitLayout], *, max_bytes: int) -> list[UnitLayou
             out.append(layout)
     flush()
     return out
-
-
-def iter_slots(layouts: list[UnitLayout]) -> Iterator[tuple[UnitLayout, ParamSlot]]:
-    for layout in layouts:
-        for slot in layout.slots:
-            yield layout, slot

@@ -12,7 +12,7 @@ from fxzero.passes import (
     split,
 )
 from fxzero.passes.runner import Pass
-from fxzero.units import UnitLayout
+from fxzero.ir.layout import UnitLayout
 
 
 def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:

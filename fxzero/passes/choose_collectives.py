@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from fxzero.passes.analysis import is_kind, tag
+from fxzero.ir.tags import is_kind, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"grads_reduced"})

@@ -22,22 +22,13 @@ units (ZeRO-1/2) are left as they are: their buffer is persistent for the whole 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.fx as fx
 
-from fxzero.ops import OPS
-from fxzero.passes.analysis import (
-    BACKWARD,
-    FORWARD,
-    alias_closure,
-    is_kind,
-    last_user,
-    phase,
-    positions,
-    tag,
-)
+from fxzero.ir.ops import OPS
+from fxzero.ir.alias import alias_closure
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, last_user, phase, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"units_partitioned", "phases"})

@@ -22,8 +22,8 @@ import functools
 
 import torch.fx as fx
 
-from fxzero.ops import OPS
-from fxzero.passes.analysis import BACKWARD, output_node, positions, tag
+from fxzero.ir.ops import OPS
+from fxzero.ir.tags import BACKWARD, output_node, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"units_partitioned", "phases"})

@@ -36,10 +36,11 @@ from typing import Optional
 
 import torch.fx as fx
 
-from fxzero.ops import OPS
-from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.ir.ops import OPS
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
-from fxzero.schedule import Instruction, instruction_of
+from fxzero.ir.instruction import Instruction
+from fxzero.ir.lower import instruction_of
 
 REQUIRES = frozenset({"params_gathered", "grads_reduced"})
 PROVIDES = frozenset({"offloaded"})

@@ -26,7 +26,7 @@ import re
 import torch
 import torch.fx as fx
 
-from fxzero.passes.analysis import is_kind, positions, tag
+from fxzero.ir.tags import is_kind, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES: frozenset[str] = frozenset()

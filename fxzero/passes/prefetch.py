@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"params_gathered", "grads_reduced"})

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch.fx as fx
 
-from fxzero.trace import JointSignature
-from fxzero.units import UnitLayout
+from fxzero.ir.signature import JointSignature
+from fxzero.ir.layout import UnitLayout
 
 __all__ = ["Pass", "PassContext", "PassResult", "PassRecord", "check_pipeline", "run_pipeline"]
 

@@ -22,7 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxzero.passes.analysis import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"units_partitioned"})

@@ -19,40 +19,21 @@ whole buffer the prefetch pass kept for the backward (tagged `kept`), which the 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.fx as fx
 
-from fxzero.passes.analysis import BACKWARD, FORWARD, alias_source, is_kind, output_node, phase
+from fxzero.ir.alias import alias_root
+from fxzero.ir.program import Program
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"phases", "grads_reduced"})
 PROVIDES = frozenset({"split"})
 
 
-@dataclasses.dataclass
-class Program:
-    """One executable program: its graph and what its flat inputs and outputs are."""
-
-    name: str
-    gm: fx.GraphModule
-    inputs: list[tuple[str, str]]
-    """Per placeholder, in order: (kind, key): ("unit", name), ("buffer", fqn), ("input", i),
-    ("saved", node name), ("grad_output", i)."""
-    outputs: list[tuple[str, str]]
-    """Per output, in order: ("output", i), ("buffer", fqn), ("saved", node name), ("grad", unit)."""
-
-
 def _input_key(node: fx.Node) -> tuple[str, str]:
     t = node.meta["fxzero"]
     k = t["kind"]
     return (k, t.get("unit") or t.get("fqn") if k in ("unit", "buffer") else t["index"])
-
-
-def _root(node: fx.Node) -> fx.Node:
-    while (src := alias_source(node)) is not None:
-        node = src
-    return node
 
 
 def _build(name: str, joint: fx.Graph, nodes: list[fx.Node], inputs: list[fx.Node],
@@ -93,7 +74,7 @@ def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not is_kind(n, "unit") and any(u in bwd_set for u in n.users)
     ]
     for n in saved:
-        root = _root(n)
+        root = alias_root(n)
         assert n.meta.get("fxzero", {}).get("kept") or not is_kind(root, "wait", "unit"), (
             f"internal error: forward value {n.name} aliases gathered parameters "
             f"({root.name}) and would be saved for backward"

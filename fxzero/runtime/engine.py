@@ -31,17 +31,13 @@ from fxzero.runtime.comm import Comm, Pending, make_comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
-from fxzero.runtime.offload import OffloadStore
-from fxzero.runtime.pool import BufferPool
+from fxzero.runtime.storage.offload_store import OffloadStore
+from fxzero.runtime.storage.pool import BufferPool
 from fxzero.runtime.optim import AdamWState
 from fxzero.runtime.step import StepRunner, update_streamed
 from fxzero.schedule import check_fingerprints
 
 __all__ = ["Engine"]
-
-# Calibrated cost models, per (world size, comm kind, link emulation): measured once a process.
-_MEASURED: dict = {}
-
 
 def _ensure_process_group() -> None:
     """Join the launcher's process group (torchrun sets WORLD_SIZE) if the user has not."""
@@ -125,7 +121,7 @@ class Engine:
         self.comm = make_comm(config.link_emulation, config.transport)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self._model = model
-        self.cost_model = self._resolve_cost_model(config.cost_model)
+        self.cost_model = cost.resolve(config.cost_model, self.comm, config.link_emulation)
         self.layouts = plan_layouts(model, config, self.world_size, self.cost_model)
         self.num_params = sum(layout.numel for layout in self.layouts)
         self._whole = persistent_units(config, self.layouts)  # units held whole, not sharded
@@ -169,18 +165,6 @@ class Engine:
         }
 
     # -- compile ---------------------------------------------------------------------------
-
-    def _resolve_cost_model(self, spec):
-        if spec is None or not isinstance(spec, str):
-            return spec
-        if spec != "measure":
-            return cost.preset(spec)
-        key = (self.world_size, type(self.comm).__name__, self.config.link_emulation)
-        if key not in _MEASURED:
-            measured = cost.calibrate(comm=self.comm)
-            # Every rank must make the same choices: all take rank 0's figures.
-            _MEASURED[key] = self.comm.all_gather_object(measured)[0]
-        return _MEASURED[key]
 
     def _compiled_for(self, inputs: tuple[torch.Tensor, ...]) -> _Compiled:
         key = (self._model.training, tuple((tuple(x.shape), x.dtype) for x in inputs))

@@ -17,15 +17,16 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from fxzero.ops import OPS
-from fxzero.passes.analysis import kind as kind_of
+from fxzero.ir.ops import OPS
+from fxzero.ir.tags import kind as kind_of
 from fxzero.runtime.comm import Comm, Pending
-from fxzero.runtime.pool import BufferPool
-from fxzero.runtime.storage import aligned_empty
-from fxzero.schedule import Instruction, ProgramSchedule
+from fxzero.runtime.storage.pool import BufferPool
+from fxzero.runtime.storage.aligned import aligned_empty
+from fxzero.ir.instruction import Instruction
+from fxzero.schedule import ProgramSchedule
 
 if TYPE_CHECKING:
-    from fxzero.runtime.offload import OffloadStore
+    from fxzero.runtime.storage.offload_store import OffloadStore
 
 __all__ = ["GatheredMemory", "ProgramRunner", "Timed"]
 

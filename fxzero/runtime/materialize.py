@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from fxzero.units import ParamSlot, UnitLayout, unique_parameters
+from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
 
 __all__ = ["materialize"]
 

@@ -17,11 +17,11 @@ import torch
 from fxzero.config import AdamW
 from fxzero.runtime.comm import Comm, Pending
 from fxzero.runtime.executor import _last_reads
-from fxzero.runtime.offload import OffloadStore
+from fxzero.runtime.storage.offload_store import OffloadStore
 from fxzero.runtime.optim import AdamWState, adamw_step
-from fxzero.runtime.pool import BufferPool
+from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import ProgramSchedule
-from fxzero.units import UnitLayout
+from fxzero.ir.layout import UnitLayout
 
 __all__ = ["StepRunner", "update_streamed"]
 

@@ -22,7 +22,8 @@ from typing import Optional
 
 from fxzero.artifacts import ArtifactError
 from fxzero.cost import CostModel, Event, SimResult, simulate
-from fxzero.schedule import COLLECTIVES, Schedule
+from fxzero.ir.instruction import COLLECTIVES
+from fxzero.schedule import Schedule
 
 __all__ = ["Timeline", "recorded", "simulated"]
 

@@ -18,7 +18,7 @@ the run trains only the pairs that the selected tests need.
 Tolerances: losses to rtol 1e-5, parameters and buffers to atol 1e-5. A correct engine sits
 far inside them (a traced, aten-level re-implementation of these loops, on 1, 2 and 4
 emulated ranks with other thread counts, agrees with the references to ~3e-7), and the zoo
-models avoid parameters whose gradient is identically zero (see `fxzero/zoo.py`), since Adam
+models avoid parameters whose gradient is identically zero (see `fxzero/zoo/`), since Adam
 would turn their rounding noise into +-lr differences.
 """
 

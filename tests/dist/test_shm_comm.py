@@ -1,4 +1,4 @@
-"""Shared-memory collectives (fxzero/runtime/shm.py) against the process group's, on real ranks."""
+"""Shared-memory collectives (fxzero/runtime/comm/shm.py) against the process group's, on real ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero import zoo
-from fxzero.runtime import shm
+from fxzero.runtime.comm import shm
 from fxzero.runtime.comm import Comm, make_comm
 from tests.dist.harness import run_ranks
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.testing import FileCheck
 
 import fxzero
-from fxzero.passes.analysis import alias_closure
+from fxzero.ir.alias import alias_closure
 from tests.passes.toys import (
     META,
     MODELS_WITH_PARAMS,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import fxzero
+from fxzero.ir.instruction import Instruction
 from fxzero.schedule import (
-    SCHEDULE_VERSION,
-    Instruction,
     ProgramSchedule,
+    SCHEDULE_VERSION,
     Schedule,
     ScheduleError,
     check_fingerprints,

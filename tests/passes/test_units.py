@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from fxzero.config import UnitsPolicy
-from fxzero.units import ParamSlot, UnitLayout, plan_units
+from fxzero.ir.layout import ParamSlot, UnitLayout
+from fxzero.units import plan_units
 from tests.passes.toys import META, WORLD_SIZES, Block, build
 
 

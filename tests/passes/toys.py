@@ -23,10 +23,11 @@ import torch.nn.functional as F
 import fxzero
 from fxzero.config import UnitsPolicy
 from fxzero.passes import build_pipeline
-from fxzero.passes.analysis import alias_source
+from fxzero.ir.alias import alias_source
 from fxzero.passes.runner import Pass, PassContext, PassRecord, run_pipeline
 from fxzero.trace import TracedJoint, trace_joint
-from fxzero.units import UnitLayout, plan_units
+from fxzero.ir.layout import UnitLayout
+from fxzero.units import plan_units
 
 META = torch.device("meta")
 WORLD_SIZES = (1, 2, 4)

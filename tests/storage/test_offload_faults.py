@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 import fxzero
 from fxzero import zoo
-from fxzero.runtime import offload as offload_module
-from fxzero.runtime.storage import ALIGN
+from fxzero.runtime.storage.aligned import ALIGN
 
 
 def _nvme_config(path, write_behind_bytes: int = 0, **kw) -> fxzero.Config:

@@ -2,8 +2,8 @@
 
 import torch
 
-from fxzero.runtime.pool import BufferPool
-from fxzero.runtime.storage import ALIGN
+from fxzero.runtime.storage.pool import BufferPool
+from fxzero.runtime.storage.aligned import ALIGN
 
 BIG = 1 << 19  # 2 MiB of float32: pooled
 SMALL = 1000  # under min_bytes: never pooled

@@ -7,8 +7,10 @@ import shutil
 import pytest
 import torch
 
-from fxzero.runtime import storage
-from fxzero.runtime.storage import ALIGN, CpuTier, DeviceTier, NvmeTier
+from fxzero.runtime.storage import nvme as nvme_module
+from fxzero.runtime.storage.aligned import ALIGN, aligned_buffer
+from fxzero.runtime.storage.memory import CpuTier, DeviceTier
+from fxzero.runtime.storage.nvme import NvmeTier
 
 # Sizes around the alignment and the staging block (block_bytes=8192 below): empty, one element,
 # not a multiple of 4096, exactly one block, and several blocks with a ragged tail.
@@ -198,7 +200,7 @@ def test_unwritable_directory(tmp_path, monkeypatch):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
     # The probe file is created with open() inside the module; refuse it as a read-only dir would.
-    monkeypatch.setattr(storage, "open", refuse, raising=False)
+    monkeypatch.setattr(nvme_module, "open", refuse, raising=False)
     with pytest.raises(ValueError, match=r"is not writable \(Permission denied\); fix its permissions"):
         NvmeTier(tmp_path)
 
@@ -295,7 +297,7 @@ def test_auto_says_whether_direct_is_used(nvme):
 
 
 def test_staging_buffers_are_aligned():
-    buf = storage._aligned_buffer(8192)
+    buf = aligned_buffer(8192)
     assert buf.tensor.data_ptr() % ALIGN == 0 and len(buf.view) == 8192
 
 
@@ -332,11 +334,11 @@ def test_cuda_tensors_through_every_tier(tmp_path):
 
 @pytest.mark.parametrize("numel", SIZES)
 def test_reads_are_aligned_and_aligned_tensors_round_trip_in_place(nvme, numel):
-    from fxzero.runtime.storage import _direct_view, aligned_empty
+    from fxzero.runtime.storage.aligned import direct_view, aligned_empty
 
     x = aligned_empty(numel, torch.float32)
     x.copy_(_tensor(numel, torch.float32, seed=numel))
-    assert numel == 0 or (x.data_ptr() % ALIGN == 0 and _direct_view(x) is not None)
+    assert numel == 0 or (x.data_ptr() % ALIGN == 0 and direct_view(x) is not None)
     nvme.write("k", x).wait()
     got = nvme.read("k").wait()
     assert torch.equal(got, x)
@@ -352,14 +354,14 @@ def test_reads_are_aligned_and_aligned_tensors_round_trip_in_place(nvme, numel):
 
 
 def test_unaligned_views_are_staged(nvme):
-    from fxzero.runtime.storage import _direct_view, aligned_empty
+    from fxzero.runtime.storage.aligned import direct_view, aligned_empty
 
     base = aligned_empty(5000, torch.float32).copy_(torch.arange(5000.0))  # not garbage: NaN != NaN
-    assert _direct_view(base[1:]) is None  # data not on a 4096 boundary
-    assert _direct_view(base[: 1024 + 1][:1025]) is not None
+    assert direct_view(base[1:]) is None  # data not on a 4096 boundary
+    assert direct_view(base[: 1024 + 1][:1025]) is not None
     tight = torch.empty(1024 + 1)  # storage may end before the padded length
     if tight.data_ptr() % ALIGN == 0:
-        assert _direct_view(tight) is None or tight.untyped_storage().nbytes() >= 8192
+        assert direct_view(tight) is None or tight.untyped_storage().nbytes() >= 8192
     nvme.write("v", base[1:]).wait()
     assert torch.equal(nvme.read("v").wait(), base[1:])
 

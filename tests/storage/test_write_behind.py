@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxzero.runtime.storage import NvmeTier
-from fxzero.runtime.write_behind import WriteBehind
+from fxzero.runtime.storage.nvme import NvmeTier
+from fxzero.runtime.storage.write_behind import WriteBehind
 
 MB = 1 << 20
 

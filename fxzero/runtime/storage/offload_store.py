@@ -1,7 +1,7 @@
 """Where this rank's offloaded model states live: one storage tier per placement.
 
 `OffloadStore` turns the config's placements (`fxzero.Offload`) into storage tiers
-(`fxzero/runtime/storage.py`) and keys ("param/blocks.3", "exp_avg/blocks.3", ...), and is what
+(`fxzero/runtime/storage/`) and keys ("param/blocks.3", "exp_avg/blocks.3", ...), and is what
 the executor's fetch and offload instructions call. Each NVMe placement gets its own directory
 for this rank, `<path>/fxzero-rank<N>-<pid>`, created here and removed by `close()`.
 
@@ -16,19 +16,18 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
-from typing import Optional
 
 import torch
 
 from fxzero.config import STATE_KINDS, Cpu, Nvme, Offload, Placement
-from fxzero.runtime.storage import ALIGN, CpuTier, NvmeTier, Pending, StorageTier, aligned_empty
-from fxzero.runtime.write_behind import WriteBehind
+from fxzero.runtime.storage import nvme_format
+from fxzero.runtime.storage.aligned import aligned_empty
+from fxzero.runtime.storage.memory import CpuTier
+from fxzero.runtime.storage.nvme import NvmeTier
+from fxzero.runtime.storage.tier import Pending, StorageTier
+from fxzero.runtime.storage.write_behind import WriteBehind
 
 __all__ = ["OffloadStore"]
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _local_ranks() -> int:
@@ -79,9 +78,6 @@ class OffloadStore:
         self._tiers: dict[Placement, StorageTier] = {}
         self._behind: dict[Placement, WriteBehind] = {}
         self._dirs: list[str] = []
-        self.staged = 0
-        """Bytes fetched from tiers and not yet released (the executor counts them)."""
-        self.staged_peak = 0
         for kind in STATE_KINDS:
             placement = offload.placement(kind)
             if not offload.offloaded(kind) or placement in self._tiers:
@@ -136,7 +132,7 @@ class OffloadStore:
     @staticmethod
     def stored_bytes(placement: Placement, nbytes: int) -> int:
         """Bytes a tensor of `nbytes` takes on `placement` (NVMe: a header block and padding)."""
-        return ALIGN + _round_up(nbytes) if isinstance(placement, Nvme) else nbytes
+        return nvme_format.file_size(nbytes) if isinstance(placement, Nvme) else nbytes
 
     # -- moving --------------------------------------------------------------------------------
 

@@ -2,14 +2,8 @@
 
 `Comm` wraps torch.distributed (gloo on CPU, NCCL on CUDA); `LocalComm` is a world of one with
 no process group, where a gather is a copy and a reduction the identity. Both count what each
-logical collective moves, for `Engine.comm_report()`, and both can emulate a slower link.
-
-[Note: link emulation]
-With `LinkEmulation(bandwidth, latency)`, every collective is given a deadline as if it ran on
-that link, one after another (the link is busy until the previous collective's deadline): the
-transfer itself happens at loopback speed, and `Pending.wait()` then sleeps until the deadline.
-The waiting rank sleeps rather than spins, so compute elsewhere (the other rank's, or this
-rank's work issued before the wait) proceeds: overlap can be measured on a CPU box.
+logical collective moves, for `Engine.comm_report()`, and both can emulate a slower link
+(`fxzero.runtime.comm.link`).
 """
 
 from __future__ import annotations
@@ -23,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from fxzero.config import LinkEmulation
+from fxzero.runtime.comm.link import EmulatedLink
 
-__all__ = ["Comm", "LocalComm", "Pending", "make_comm"]
+__all__ = ["Comm", "LocalComm", "Pending", "Traffic"]
 
 
 @dataclasses.dataclass
@@ -58,21 +53,6 @@ class Pending(NamedTuple):
         return self.finish() if self.finish is not None else self.result
 
 
-class _EmulatedLink:
-    """See [Note: link emulation]."""
-
-    def __init__(self, link: LinkEmulation, world_size: int) -> None:
-        self.link = link
-        self.world_size = world_size
-        self.busy_until = 0.0
-
-    def deadline(self, nbytes: int, passes: int = 1) -> float:
-        wire = passes * nbytes * (self.world_size - 1) / max(self.world_size, 1)
-        start = max(time.monotonic(), self.busy_until)
-        self.busy_until = start + self.link.latency + wire / self.link.bandwidth
-        return self.busy_until
-
-
 class Comm:
     """Collectives over a torch.distributed process group."""
 
@@ -81,7 +61,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.traffic: dict[str, Traffic] = collections.defaultdict(Traffic)
-        self.link = _EmulatedLink(link, self.world_size) if link is not None else None
+        self.link = EmulatedLink(link, self.world_size) if link is not None else None
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         c = self.traffic[kind]
@@ -159,7 +139,7 @@ class LocalComm(Comm):
         self.rank = 0
         self.world_size = 1
         self.traffic = collections.defaultdict(Traffic)
-        self.link = _EmulatedLink(link, 1) if link is not None else None
+        self.link = EmulatedLink(link, 1) if link is not None else None
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         out.copy_(shard)
@@ -172,28 +152,3 @@ class LocalComm(Comm):
 
     def all_gather_object(self, obj) -> list:
         return [obj]
-
-
-def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto") -> Comm:
-    """The Comm for this process: the default process group if there is one, else a world of one.
-
-    `transport` (see `Config.transport`): "auto" moves the data of collectives on CPU buffers
-    through shared memory when every rank runs on this host with gloo (`fxzero.runtime.shm`),
-    "shared_memory" insists on it, "process_group" always uses torch.distributed. Collective:
-    every rank calls it.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return LocalComm(link=link)
-    comm = Comm(link=link)
-    if transport == "process_group":
-        return comm
-    from fxzero.runtime.shm import ShmComm, shared_memory_unavailable
-
-    why = shared_memory_unavailable(comm)
-    if why is None:
-        return ShmComm(link=link)
-    if transport == "shared_memory":
-        raise ValueError(f"[rank {comm.rank}] Config(transport='shared_memory') needs every rank on one host "
-                         f"with gloo and room in /dev/shm, but {why}; use transport='auto' (falls back to the "
-                         f"process group) or 'process_group'")
-    return comm

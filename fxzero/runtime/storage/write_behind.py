@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from fxzero.runtime.storage import Pending, StorageTier, aligned_empty
+from fxzero.runtime.storage.aligned import aligned_empty
+from fxzero.runtime.storage.tier import Pending, StorageTier
 
 __all__ = ["WriteBehind"]
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fxzero.config import LinkEmulation
-from fxzero.runtime.comm import Comm
+from fxzero.runtime.comm.base import Comm
 
 __all__ = ["ShmComm", "shared_memory_unavailable"]
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fxzero.runtime.storage import ALIGN, aligned_empty
+from fxzero.runtime.storage.aligned import ALIGN, aligned_empty
 
 __all__ = ["BufferPool"]
 

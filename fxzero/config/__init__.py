@@ -1,0 +1,26 @@
+"""User-facing configuration: `Config` and the policies it holds (frozen, keyword-only dataclasses).
+
+- `policies`: `UnitsPolicy`, `AdamW`, `Prefetch`, `Bucket`, `LinkEmulation`;
+- `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
+- `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
+"""
+
+from fxzero.config.config import TRANSPORTS, Config
+from fxzero.config.placement import STATE_KINDS, Cpu, Device, Nvme, Offload, Placement
+from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+
+__all__ = [
+    "STATE_KINDS",
+    "TRANSPORTS",
+    "AdamW",
+    "Bucket",
+    "Config",
+    "Cpu",
+    "Device",
+    "LinkEmulation",
+    "Nvme",
+    "Offload",
+    "Placement",
+    "Prefetch",
+    "UnitsPolicy",
+]

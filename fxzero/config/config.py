@@ -1,0 +1,103 @@
+"""`Config`: everything `fxzero.compile` needs besides the model.
+
+A `Config` says how a model is split into units, which ZeRO stage to run and how the
+optimizer behaves. Stages 1, 2 and 3 are not separate code paths: they are different
+settings of the same passes (see `fxzero/passes/README.md`):
+
+====== ======================== =========================== =========================
+stage  parameters between uses  gradients after backward    optimizer states
+====== ======================== =========================== =========================
+1      full, persistent         full flat buffer kept;      this rank's shard
+                                rank's slice reduced
+2      full, persistent         shard only (full freed)     this rank's shard
+3      shard; gathered per use  shard only                  this rank's shard
+====== ======================== =========================== =========================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal, Optional, Union
+
+from fxzero.config.deepspeed import config_fields
+from fxzero.config.placement import Offload
+from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+
+__all__ = ["TRANSPORTS", "Config"]
+
+
+TRANSPORTS = ("auto", "shared_memory", "process_group")
+"""Values of `Config.transport`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything `fxzero.compile` needs besides the model."""
+
+    stage: Literal[1, 2, 3] = 3
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    units: UnitsPolicy = UnitsPolicy()
+    """How parameters are grouped into units (the sharding granularity)."""
+    optimizer: AdamW = AdamW()
+    """The optimizer run on each rank's shard."""
+    seed: int = 0
+    """Seed for initializing a model built on the meta device from its own `reset_parameters()`."""
+    prefetch: Optional[Prefetch] = Prefetch()
+    """ZeRO-3: how far ahead all-gathers start; None issues each right before its first use."""
+    persist_threshold: int = 0
+    """ZeRO-3: units with fewer parameters than this stay gathered for the whole step (like
+    stage3_param_persistence_threshold): no per-layer gathers, re-gathered after the step."""
+    bucket: Optional[Bucket] = None
+    """Merge adjacent small units into buckets (off by default: units are the buckets)."""
+    link_emulation: Optional[LinkEmulation] = None
+    """Emulate a slower link for every collective (for studying overlap on one box)."""
+    transport: str = "auto"
+    """How collectives move their data. "auto": through shared memory when every rank runs on
+    this host with gloo (CPU buffers; `fxzero/runtime/comm/shm.py`), else the process group;
+    "shared_memory": that, or an error before training; "process_group": torch.distributed's
+    collectives (gloo over loopback TCP, NCCL) always."""
+    offload: Offload = Offload()
+    """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
+    keep_host_memory: bool = False
+    """On a machine without CUDA, keep freed host memory in the process instead of unmapping it
+    (glibc; see fxzero/runtime/host_memory.py): the per-unit buffers then cost no page faults,
+    but freed blocks of other sizes are kept too, so resident memory grows (1B offloaded to
+    NVMe, 2 ranks: step 45 -> 39.5 s, peak RSS per rank 2.5 -> 8.5 GB). Off by default."""
+    cost_model: Any = "measure"
+    """What prices the compiler's choices (e.g. reduce-scatter vs all-reduce): "measure"
+    calibrates this machine when the engine starts (rank 0's figures, shared by all ranks), a
+    preset name from `fxzero.cost.PRESETS`, a `fxzero.cost.CostModel`, or None (native
+    collectives, no choices). Checked when the engine starts (`fxzero.cost.resolve`), where the
+    cost models live."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.units, UnitsPolicy):
+            raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
+        if not isinstance(self.optimizer, AdamW):
+            raise TypeError(f"Config.optimizer must be a fxzero.AdamW, got {type(self.optimizer).__name__}")
+        if self.prefetch is not None and not isinstance(self.prefetch, Prefetch):
+            raise TypeError(f"Config.prefetch must be a fxzero.Prefetch or None, got {type(self.prefetch).__name__}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"Config.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not isinstance(self.offload, Offload):
+            raise TypeError(f"Config.offload must be a fxzero.Offload, got {type(self.offload).__name__}")
+        if self.offload.offloaded("param") and self.stage != 3:
+            raise ValueError(
+                f"Config.offload.params={self.offload.params!r} needs stage=3: at stage {self.stage} "
+                "every rank holds the whole parameters; offload the optimizer states instead "
+                "(Offload(optimizer=...)), or use stage=3"
+            )
+        if self.persist_threshold < 0:
+            raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
+
+    def persistent(self, numel: int) -> bool:
+        """Whether a unit of `numel` parameters is held whole for the whole step."""
+        return self.stage in (1, 2) or numel < self.persist_threshold
+
+    @classmethod
+    def from_deepspeed(cls, ds: Union[dict[str, Any], str, os.PathLike]) -> "Config":
+        """Build a Config from a DeepSpeed config dict or JSON file; see `fxzero.config.deepspeed`."""
+        return cls(**config_fields(ds))

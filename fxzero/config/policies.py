@@ -1,0 +1,137 @@
+"""Policies: how parameters form units, the optimizer, prefetch, buckets and link emulation.
+
+Each is a frozen, keyword-only dataclass validated in `__post_init__`; `fxzero.Config` holds one
+of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch.nn as nn
+
+__all__ = ["AdamW", "Bucket", "LinkEmulation", "Prefetch", "UnitsPolicy"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitsPolicy:
+    """How parameters are grouped into units, the granularity of sharding (like FSDP wrapping).
+
+    By default every item of an `nn.ModuleList` or `nn.Sequential` whose items hold parameters
+    is a unit ("blocks"); parameters outside any unit form the root unit. Any of the fields
+    below, when set, replaces that default: a module becomes its own unit when it matches.
+    Matching is outermost-first: a module inside a unit is part of that unit.
+    """
+
+    module_classes: tuple[type[nn.Module], ...] = ()
+    """Modules of these classes (isinstance) each form a unit."""
+
+    fqn_prefixes: tuple[str, ...] = ()
+    """Modules whose fully qualified name equals one of these each form a unit."""
+
+    predicate: Callable[[str, nn.Module], bool] | None = None
+    """`predicate(fqn, module) -> bool`; modules for which it is true each form a unit."""
+
+    def __post_init__(self) -> None:
+        for cls in self.module_classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise TypeError(
+                    f"UnitsPolicy.module_classes must hold nn.Module subclasses, got {cls!r}; "
+                    "pass the class itself, e.g. module_classes=(MyBlock,)"
+                )
+        if self.predicate is not None and not callable(self.predicate):
+            raise TypeError("UnitsPolicy.predicate must be callable as predicate(fqn, module)")
+
+    @property
+    def is_default(self) -> bool:
+        return not (self.module_classes or self.fqn_prefixes or self.predicate)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamW:
+    """AdamW with the semantics of `torch.optim.AdamW` (decoupled weight decay)."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: float = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = 1e-2
+    """Decoupled weight decay, applied as p *= 1 - lr * weight_decay."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0.0:
+            raise ValueError(f"AdamW.lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"AdamW.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps >= 0.0:
+            raise ValueError(f"AdamW.eps must be >= 0, got {self.eps}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"AdamW.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prefetch:
+    """Start all-gathers early, bounded by bytes of gathered buffers alive at once.
+
+    Like DeepSpeed's stage3_max_live_parameters / stage3_prefetch_bucket_size, but in bytes and
+    applied by a pass, so the resulting schedule and its peak are visible before anything runs.
+    """
+
+    max_live_bytes: Optional[int] = None
+    """Budget for per-unit buffers alive at once: gathered parameters (in flight or in use) and
+    flat gradients being reduced. None: the peak the schedule has without prefetch plus the
+    largest unit (one unit of lookahead), or 128 MiB if that is more: a small model then keeps
+    most or all of its units gathered from the forward into the backward and prefetches
+    several ahead (DeepSpeed's defaults, 1e9 live parameters, keep every parameter of such a
+    model gathered), while a large one keeps its one-unit lookahead."""
+
+    keep_for_backward: bool = True
+    """Units the backward needs first stay gathered from the forward into the backward, as far
+    as the budget allows, instead of being freed and gathered again (DeepSpeed's
+    stage3_max_reuse_distance; FSDP2 does this for its root module). Their backward gathers
+    disappear, so a step moves less than 3 x Phi elements. False: every unit is gathered twice."""
+
+    def __post_init__(self) -> None:
+        if self.max_live_bytes is not None and self.max_live_bytes <= 0:
+            raise ValueError(f"Prefetch.max_live_bytes must be positive, got {self.max_live_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bucket:
+    """Merge adjacent small units into one flat buffer, so one collective moves them all.
+
+    Worth it where messages are latency-bound: by default a bucket holds up to the link's
+    latency-bandwidth product (from the cost model), below which a collective's time is mostly
+    latency. Units are merged before anything is materialized; the buckets are the units the
+    schedule shows.
+    """
+
+    max_bytes: Optional[int] = None
+    """Largest bucket; None: the cost model's all-gather latency x bandwidth."""
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ValueError(f"Bucket.max_bytes must be positive, got {self.max_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkEmulation:
+    """Make collectives complete as if the link had this bandwidth and latency.
+
+    Completion is delayed (the waiting rank sleeps), no CPU is burned, so overlap can be
+    studied on a box whose loopback is nearly free. Real transfers still happen underneath.
+    """
+
+    bandwidth: float
+    """Bytes per second each rank moves over the emulated link."""
+    latency: float = 0.0
+    """Seconds added to every collective."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"LinkEmulation.bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not self.latency >= 0:
+            raise ValueError(f"LinkEmulation.latency must be >= 0 s, got {self.latency}")

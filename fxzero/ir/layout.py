@@ -1,0 +1,99 @@
+"""Flat layouts: where each parameter of a unit lives in its flat buffer, and each rank's shard.
+
+A unit is the granularity of sharding (FSDP's "wrapping"): its parameters live in one flat
+buffer, padded to a multiple of the world size; rank r holds slice r. The layout depends only
+on the grouping (`fxzero.units.plan_units`) and the world size, so every rank computes the same
+one without talking to the others. Compiler and runtime share these types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import torch
+import torch.nn as nn
+
+from fxzero.ir.sizes import round_up
+
+__all__ = ["ParamSlot", "UnitLayout", "unique_parameters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """One unit's flat buffer: which parameters, where, and how it is split across ranks."""
+
+    name: str
+    slots: tuple[ParamSlot, ...]
+    dtype: torch.dtype
+    world_size: int
+    trainable: bool
+    """False for units of frozen parameters: gathered, never reduced, no optimizer state."""
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements, without padding."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padded_numel(self) -> int:
+        """Length of the flat buffer: numel rounded up to a multiple of the world size."""
+        return round_up(self.numel, self.world_size)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's slice in the flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_ranges(self, rank: int, skip: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
+        """[lo, hi) ranges, relative to rank's shard, covered by parameters not in `skip`.
+
+        Padding is never covered; adjacent ranges are merged.
+        """
+        lo, hi = self.shard_range(rank)
+        out: list[tuple[int, int]] = []
+        for s in self.slots:
+            if s.fqn in skip:
+                continue
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a >= b:
+                continue
+            if out and out[-1][1] == a - lo:
+                out[-1] = (out[-1][0], b - lo)
+            else:
+                out.append((a - lo, b - lo))
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "world_size": self.world_size,
+            "trainable": self.trainable,
+            "slots": [[s.fqn, list(s.shape), s.offset, s.numel] for s in self.slots],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "UnitLayout":
+        slots = tuple(ParamSlot(f, tuple(shape), off, n) for f, shape, off, n in d["slots"])
+        return cls(d["name"], slots, getattr(torch, d["dtype"]), d["world_size"], d["trainable"])
+
+
+def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their first FQN; a tied parameter appears once."""
+    return dict(model.named_parameters(remove_duplicate=True))

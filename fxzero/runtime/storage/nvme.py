@@ -1,0 +1,333 @@
+"""`NvmeTier`: tensors in files on a fast disk, one file per key, read and written asynchronously.
+
+Files are written and read on a small thread pool (`io_pool.IoPool`) through reused,
+4096-byte-aligned staging buffers, with O_DIRECT where the filesystem allows it; the file format
+is `nvme_format`.
+
+[Note: O_DIRECT].
+
+Every tier offers `write(key, tensor) -> Pending`, `read(key, out=None) -> Pending`,
+`delete(key)`, `nbytes(key)`, `reserve(total_bytes)` and `report()`; `Pending.wait()` returns
+the tensor. A tensor passed to `write` must not be modified, and `out` passed to `read` must not
+be used, until the `Pending` has been waited on.
+
+[Note: ordering per key]
+Operations on one key run in the order they were issued: each task first waits for the previous
+task on the same key. Operations on different keys run concurrently, up to `threads` at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import shutil
+import time
+from typing import Literal, Optional, Union
+
+import torch
+import xxhash
+
+from fxzero.ir.sizes import round_up
+from fxzero.runtime.storage import nvme_format
+from fxzero.runtime.storage.aligned import ALIGN, Staging, aligned_buffer, aligned_empty, as_bytes, direct_view
+from fxzero.runtime.storage.io_pool import IoPool
+from fxzero.runtime.storage.tier import Pending, Record, StorageTier, rank_prefix
+
+__all__ = ["NvmeTier"]
+
+
+class NvmeTier(StorageTier):
+    """Tensors in files under `path`, one file per key; see [Note: NVMe file layout].
+
+    Args:
+        path: an existing, writable directory (the tier creates and deletes only its own files).
+        threads: I/O worker threads, hence operations in flight at once.
+        block_bytes: size of each staging buffer, the unit of one pread/pwrite; a multiple of 4096.
+        direct: "auto" uses O_DIRECT where the filesystem accepts it and falls back to buffered
+            I/O otherwise (see `direct_fallback`); True requires it; False never uses it.
+    """
+
+    name = "nvme"
+
+    def __init__(self, path: Union[str, os.PathLike], *, threads: int = 4, block_bytes: int = 1 << 20,
+                 direct: Union[bool, Literal["auto"]] = "auto") -> None:
+        super().__init__()
+        if threads < 1:
+            raise ValueError(f"NvmeTier threads={threads}: need at least 1")
+        if block_bytes < ALIGN or block_bytes % ALIGN:
+            raise ValueError(f"NvmeTier block_bytes={block_bytes}: must be a positive multiple of {ALIGN}")
+        if direct not in (True, False, "auto"):
+            raise ValueError(f"NvmeTier direct={direct!r}: use True, False or 'auto'")
+        self.path = os.fspath(path)
+        self.block_bytes = block_bytes
+        self._check_dir()
+        self.direct_fallback: Optional[str] = None
+        """Why O_DIRECT is not used under direct='auto' (None when it is, or was not asked for)."""
+        self.direct = self._probe_direct(direct)
+        # One staging buffer per worker: a worker holds one for the whole of one operation.
+        self._staging: queue.SimpleQueue[Staging] = queue.SimpleQueue()
+        for _ in range(threads):
+            self._staging.put(aligned_buffer(block_bytes))
+        self._pool = IoPool(threads, "fxzero-nvme")
+        self._last: dict[str, concurrent.futures.Future] = {}  # see [Note: ordering per key]
+
+    # -- checks before use -------------------------------------------------------------------
+
+    def _check_dir(self) -> None:
+        if not os.path.exists(self.path):
+            raise ValueError(f"NvmeTier path {self.path!r} does not exist; create it (mkdir -p) "
+                             f"or point the tier at an existing directory on the fast disk")
+        if not os.path.isdir(self.path):
+            raise ValueError(f"NvmeTier path {self.path!r} is not a directory; give a directory")
+        probe = os.path.join(self.path, f".fxzero-probe-{os.getpid()}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+        except OSError as e:
+            raise ValueError(f"NvmeTier path {self.path!r} is not writable ({e.strerror}); "
+                             f"fix its permissions or choose a directory this user can write") from e
+        finally:
+            if os.path.exists(probe):
+                os.unlink(probe)
+
+    def _probe_direct(self, direct: Union[bool, str]) -> bool:
+        if direct is False:
+            return False
+        reason = None
+        flag = getattr(os, "O_DIRECT", None)
+        if flag is None:
+            reason = "os.O_DIRECT is not available on this platform"
+        else:
+            probe = os.path.join(self.path, f".fxzero-direct-probe-{os.getpid()}")
+            buf = aligned_buffer(ALIGN)
+            try:
+                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+                try:
+                    os.pwrite(fd, buf.view, 0)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                reason = f"O_DIRECT refused by the filesystem under {self.path!r}: {e.strerror or e}"
+            finally:
+                if os.path.exists(probe):
+                    os.unlink(probe)
+        if reason is None:
+            return True
+        if direct is True:
+            raise ValueError(f"NvmeTier(direct=True): {reason}; use direct='auto' to fall back to buffered I/O")
+        self.direct_fallback = reason
+        return False
+
+    def reserve(self, total_bytes: int) -> None:
+        """Raise ValueError now if the disk under `path` has no room for `total_bytes` more."""
+        free = shutil.disk_usage(self.path).free
+        if total_bytes > free:
+            raise ValueError(f"NvmeTier path {self.path!r}: {total_bytes} bytes needed, only {free} free on "
+                             f"that filesystem; free space there, point the tier at a larger disk, or "
+                             f"offload less to NVMe")
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def file(self, key: str) -> str:
+        """The file that holds `key` (see [Note: NVMe file layout])."""
+        return os.path.join(self.path, nvme_format.file_name(key))
+
+    def _open(self, path: str, flags: int) -> int:
+        if self.direct:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o644)
+
+    def _error(self, key: str, path: str, what: str) -> IOError:
+        return IOError(f"{rank_prefix()} NvmeTier key {key!r}, file {path!r}: {what}; the file was changed "
+                       f"or truncated outside this tier (or the disk failed), refusing to return its data")
+
+    def _submit(self, key: str, fn, *args, read: bool = False) -> concurrent.futures.Future:
+        with self._lock:
+            before = self._last.get(key)
+            early = read and (before is None or before.done())  # see [Note: reads first]
+            fut = self._pool.submit(early, self._after, None if early else before, fn, *args)
+            self._last[key] = fut
+        fut.add_done_callback(lambda f: self._forget(key, f))
+        return fut
+
+    def _forget(self, key: str, fut: concurrent.futures.Future) -> None:
+        # Drop a finished future unless a later one replaced it: it holds its tensor alive.
+        with self._lock:
+            if self._last.get(key) is fut:
+                del self._last[key]
+
+    @staticmethod
+    def _after(before: Optional[concurrent.futures.Future], fn, *args):
+        if before is not None:
+            concurrent.futures.wait([before])  # its failure is reported by its own Pending
+        return fn(*args)
+
+    # -- write ---------------------------------------------------------------------------------
+
+    def write(self, key: str, tensor: torch.Tensor) -> Pending:
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        return Pending(self._submit(key, self._write, key, src, tensor), None)
+
+    def _write(self, key: str, src: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._write_file(key, src, tensor)
+        except BaseException:
+            # The file no longer holds the old value: forget the key rather than fail its reads later.
+            with self._lock:
+                self._index.pop(key, None)
+            raise
+
+    def _write_file(self, key: str, src: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        data = as_bytes(src)
+        nbytes = data.numel()
+        path = self.file(key)
+        # [Note: in place] A tensor whose data is aligned (e.g. one this tier read, see
+        # aligned_empty) is written straight from its memory; others go through a staging buffer.
+        direct = direct_view(src) if self.direct else None
+        stage = self._staging.get()
+        try:
+            fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                digest = xxhash.xxh3_64()
+                block = self.block_bytes
+                for off in range(0, nbytes, block):
+                    n = min(block, nbytes - off)
+                    padded = round_up(n, ALIGN)
+                    if direct is not None:
+                        digest.update(direct[off : off + n])
+                        self._pwrite_all(fd, direct[off : off + padded], ALIGN + off, key, path)
+                        continue
+                    stage.tensor[:n].copy_(data[off : off + n])
+                    if padded > n:
+                        stage.tensor[n:padded].zero_()
+                    digest.update(stage.view[:n])
+                    self._pwrite_all(fd, stage.view[:padded], ALIGN + off, key, path)
+                # The header goes last: a file whose write was interrupted has no valid header.
+                checksum = digest.intdigest()
+                header = nvme_format.pack_header(src.dtype, src.numel(), nbytes, checksum)
+                stage.tensor[:ALIGN].zero_()
+                stage.view[: len(header)] = header
+                self._pwrite_all(fd, stage.view[:ALIGN], 0, key, path)
+            finally:
+                os.close(fd)
+        finally:
+            self._staging.put(stage)
+        with self._lock:
+            self._index[key] = Record(src.dtype, tensor.shape, nbytes, checksum)
+        self._count("write", nbytes, time.perf_counter() - start)
+        return tensor
+
+    def _pwrite_all(self, fd: int, buf: memoryview, offset: int, key: str, path: str) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.pwrite(fd, buf[done:], offset + done)
+            if n <= 0:
+                raise self._error(key, path, f"write stalled at byte {offset + done}")
+            done += n
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def read(self, key: str, out: Optional[torch.Tensor] = None) -> Pending:
+        with self._lock:
+            known = key in self._index or key in self._last
+        if not known:
+            self._record(key)  # raises the KeyError
+        if out is not None and not out.is_contiguous():
+            raise ValueError(f"read({key!r}, out=...): out must be contiguous")
+        return Pending(self._submit(key, self._read, key, out, read=True), None)
+
+    def _read(self, key: str, out: Optional[torch.Tensor]) -> torch.Tensor:
+        start = time.perf_counter()
+        rec = self._record(key)  # after the write that made it (see [Note: ordering per key])
+        if out is None:
+            numel = rec.nbytes // torch.empty((), dtype=rec.dtype).element_size()
+            out = aligned_empty(numel, rec.dtype).view(rec.shape)  # see [Note: in place]
+        self._check_out(key, rec, out)
+        dest = as_bytes(out)
+        direct = direct_view(out) if self.direct else None
+        path = self.file(key)
+        want_size = nvme_format.file_size(rec.nbytes)
+        stage = self._staging.get()
+        try:
+            try:
+                fd = self._open(path, os.O_RDONLY)
+            except FileNotFoundError as e:
+                raise self._error(key, path, "file is missing") from e
+            try:
+                size = os.fstat(fd).st_size
+                if size != want_size:
+                    raise self._error(key, path, f"expected {want_size} bytes on disk ({rec.nbytes} of data), "
+                                                 f"got {size}")
+                self._pread_all(fd, stage.view[:ALIGN], 0, key, path)
+                self._check_header(key, path, rec, bytes(stage.view[:ALIGN]))
+                digest = xxhash.xxh3_64()
+                block = self.block_bytes
+                for off in range(0, rec.nbytes, block):
+                    n = min(block, rec.nbytes - off)
+                    if direct is not None:
+                        self._pread_all(fd, direct[off : off + round_up(n, ALIGN)], ALIGN + off, key, path)
+                        digest.update(direct[off : off + n])
+                        continue
+                    self._pread_all(fd, stage.view[: round_up(n, ALIGN)], ALIGN + off, key, path)
+                    digest.update(stage.view[:n])
+                    dest[off : off + n].copy_(stage.tensor[:n])
+            finally:
+                os.close(fd)
+        finally:
+            self._staging.put(stage)
+        checksum = digest.intdigest()
+        if checksum != rec.checksum:
+            raise self._error(key, path, f"checksum mismatch: expected xxh3 {rec.checksum:#018x}, got {checksum:#018x}")
+        self._count("read", rec.nbytes, time.perf_counter() - start)
+        return out
+
+    def _pread_all(self, fd: int, buf: memoryview, offset: int, key: str, path: str) -> None:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise self._error(key, path, f"short read: expected {len(buf)} bytes at offset {offset}, "
+                                             f"got {done}")
+            done += n
+
+    def _check_header(self, key: str, path: str, rec: Record, raw: bytes) -> None:
+        header = nvme_format.unpack_header(raw)
+        want_dtype = nvme_format.dtype_name(rec.dtype)
+        if header.magic != nvme_format.MAGIC or header.version != nvme_format.VERSION:
+            raise self._error(key, path, f"bad header: expected magic {nvme_format.MAGIC!r} v{nvme_format.VERSION}, "
+                                         f"got {header.magic!r} v{header.version}")
+        if header.dtype != want_dtype or header.nbytes != rec.nbytes or header.checksum != rec.checksum:
+            raise self._error(key, path, f"header says {header.dtype}, {header.nbytes} bytes, xxh3 "
+                                         f"{header.checksum:#018x}; expected {want_dtype}, {rec.nbytes} bytes, "
+                                         f"xxh3 {rec.checksum:#018x}")
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        """Remove `key` and its file, after any operation on it still in flight."""
+        with self._lock:
+            before = self._last.pop(key, None)
+        if before is not None:
+            concurrent.futures.wait([before])
+        self._record(key)
+        with self._lock:
+            del self._index[key]
+        try:
+            os.unlink(self.file(key))
+        except FileNotFoundError:
+            pass
+
+    def report(self, reset: bool = False) -> dict:
+        out = super().report(reset)
+        out["direct"] = self.direct
+        out["direct_fallback"] = self.direct_fallback
+        out["path"] = self.path
+        return out
+
+    def close(self) -> None:
+        """Finish every operation in flight and stop the workers; files stay until deleted."""
+        self._pool.shutdown()

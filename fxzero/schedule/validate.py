@@ -1,0 +1,124 @@
+"""Validation: the rules a schedule must keep before it runs, and the ranks' fingerprints.
+
+`validate` rejects a schedule that would read a collective's result before its wait, use a
+gathered buffer after its free, free twice or leave a gathered buffer allocated;
+`check_fingerprints` turns ranks that compiled different collective sequences into an error
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Iterable, Optional
+
+from fxzero.ir.instruction import ASYNC, COLLECTIVES, Instruction
+from fxzero.ir.layout import UnitLayout
+from fxzero.schedule.types import ProgramSchedule, Schedule, ScheduleError
+
+__all__ = ["check_fingerprints", "fingerprint_of", "validate"]
+
+
+def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayout], stage: int) -> str:
+    """A digest of everything every rank must agree on: layouts and the collective sequence."""
+    h = hashlib.sha256(f"stage={stage};".encode())
+    for u in units:
+        h.update(json.dumps(u.to_json(), sort_keys=True).encode())
+    for p in programs:
+        for i in p.instructions:
+            if i.kind in COLLECTIVES:
+                h.update(f"{p.name}|{i.kind}|{i.algorithm}|{i.unit}|{i.numel}|{i.bytes};".encode())
+    return h.hexdigest()[:16]
+
+
+def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruction]] = None
+                      ) -> dict[str, Instruction]:
+    """Check one program; `carried_in` are collectives an earlier program left in flight for
+    this one to wait for. Returns those this program leaves in flight (its outputs)."""
+    defined = set(p.inputs)
+    # collective and transfer results not yet waited for
+    pending: dict[str, Instruction] = dict(carried_in or {})
+    # gathered buffers and fetched shards, which must be freed (those kept from the forward too)
+    live: set[str] = set(p.kept) & defined
+    freed: set[str] = set()
+    names = [i.name for i in p.instructions]
+    for idx, ins in enumerate(p.instructions):
+        where = f"{p.name} program, instruction {idx} ({ins.kind} {ins.name})"
+        for dep in ins.deps:
+            if not 0 <= dep < idx:
+                raise ScheduleError(f"{where}: depends on instruction {dep}, which does not run before it")
+        for r in ins.reads:
+            if r in pending and ins.kind != "wait":
+                raise ScheduleError(
+                    f"{where}: reads {r}, the result of a {pending[r].kind} of unit "
+                    f"{pending[r].unit!r}, before its wait (missing wait)"
+                )
+            if r not in defined and r not in pending:
+                raise ScheduleError(f"{where}: reads {r} before it is defined")
+        for b in ins.touches if ins.kind != "free" else ():  # a free is checked below
+            if b in freed:
+                raise ScheduleError(f"{where}: uses gathered buffer {b} after it was freed")
+        if ins.kind in ASYNC:
+            pending[ins.name] = ins
+            continue
+        if ins.kind == "wait":
+            (src,) = ins.reads
+            if src not in pending:
+                raise ScheduleError(f"{where}: waits for {src}, which is not an outstanding collective or transfer")
+            # The step program re-gathers into the persistent parameter buffers (ZeRO-1/2),
+            # which are never freed, and its fetched states are consumed by the update; in the
+            # forward and backward every gather and every fetch makes a transient buffer.
+            if pending.pop(src).kind in ("all_gather", "fetch") and p.name != "step":
+                live.add(ins.name)
+        if ins.kind == "free":
+            (buf,) = ins.reads
+            if buf in freed:
+                raise ScheduleError(f"{where}: frees {buf} a second time (double free)")
+            if buf not in live:
+                raise ScheduleError(f"{where}: frees {buf}, which is not a gathered or fetched buffer")
+            live.discard(buf)
+            freed.add(buf)
+        defined.add(ins.name)
+    carried_out = {name: ins for name, ins in pending.items()
+                   if name in p.outputs and ins.kind == "reduce_scatter" and name not in (carried_in or {})}
+    for name in carried_out:
+        del pending[name]
+    if pending:
+        first = next(iter(pending.values()))
+        raise ScheduleError(
+            f"{p.name} program: {first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)"
+        )
+    live -= set(p.kept) & set(p.outputs)  # kept for the backward, which frees them
+    if live:
+        raise ScheduleError(f"{p.name} program: gathered or fetched buffers {sorted(live)} are never freed")
+    assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"
+    return carried_out
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError if the schedule breaks a rule; the message names the instruction."""
+    if schedule.fingerprint != fingerprint_of(schedule.programs, schedule.units, schedule.stage):
+        raise ScheduleError(
+            "schedule fingerprint does not match its contents: the schedule was edited after "
+            "it was built; rebuild it with build_schedule"
+        )
+    carried: dict[str, Instruction] = {}  # a program's reduce-scatters the next one waits for
+    for p in schedule.programs:
+        carried = _validate_program(p, carried)
+    if carried:
+        first = next(iter(carried.values()))
+        raise ScheduleError(f"{first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)")
+
+
+def check_fingerprints(fingerprints: list[str], *, rank: int) -> None:
+    """Raise if the ranks' schedule fingerprints differ (they would issue different collectives)."""
+    if len(set(fingerprints)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, fp in enumerate(fingerprints):
+            groups.setdefault(fp, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {fp}" for fp, rs in groups.items())
+        raise RuntimeError(
+            f"[rank {rank}] the ranks compiled different schedules ({detail}), so they would "
+            "issue different collectives and hang; make sure every rank builds the same model "
+            "with the same config and the same input shapes"
+        )
