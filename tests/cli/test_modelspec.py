@@ -48,7 +48,7 @@ def test_module_factory_and_file_class(tmp_path):
     ("gpt-tiny(n_blocks=open('x'))", "must be Python literals"),
     ("gpt-tiny(wings=2)", "unknown GPTConfig field"),
     ("fxzero.zoo:GPT_SIZES", "not a class or factory"),
-    ("fxzero.zoo:_check_positive('a')", "not a torch.nn.Module"),
+    ("fxzero.zoo.common:check_positive('a')", "not a torch.nn.Module"),
 ])
 def test_model_specs_that_do_not_resolve(spec, message):
     with pytest.raises(SpecError, match=message) as info:
