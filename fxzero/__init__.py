@@ -4,60 +4,47 @@
     loss = loss_fn(engine(x), y)
     engine.backward(loss)
     engine.step()
+
+The public names below load on first use, so importing one part of the package (the config,
+the IR, the CLI) does not import the rest.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
-
-import torch
-import torch.nn as nn
-
-from fxzero.ir import ops as _ops  # noqa: F401  (registers the fxzero:: operators)
-from fxzero.compiler import CompiledProgram, compile_program
-from fxzero.config import AdamW, Bucket, Config, Cpu, Device, LinkEmulation, Nvme, Offload, Prefetch, UnitsPolicy
-from fxzero.runtime.engine import Engine
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdamW",
-    "Bucket",
-    "CompiledProgram",
-    "Config",
-    "Cpu",
-    "Device",
-    "Engine",
-    "LinkEmulation",
-    "Nvme",
-    "Offload",
-    "Prefetch",
-    "UnitsPolicy",
-    "compile",
-    "compile_program",
-]
+_EXPORTS = {
+    "AdamW": "fxzero.config",
+    "Bucket": "fxzero.config",
+    "CompiledProgram": "fxzero.schedule.compiled",
+    "Config": "fxzero.config",
+    "Cpu": "fxzero.config",
+    "Device": "fxzero.config",
+    "Engine": "fxzero.runtime.engine",
+    "LinkEmulation": "fxzero.config",
+    "Nvme": "fxzero.config",
+    "Offload": "fxzero.config",
+    "Prefetch": "fxzero.config",
+    "UnitsPolicy": "fxzero.config",
+    "compile": "fxzero.api",
+    "compile_program": "fxzero.compiler",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = sorted(_EXPORTS)
 
 
-def compile(
-    model: nn.Module,
-    config: Optional[Config] = None,
-    *,
-    state_dict: Optional[Mapping[str, torch.Tensor]] = None,
-) -> Engine:
-    """Compile `model` for ZeRO training on this process's ranks.
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxzero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
 
-    Args:
-        model: the module; build it under `torch.device("meta")` so no rank ever allocates
-            the full parameters.
-        config: stage, units and optimizer; defaults to `fxzero.Config()` (ZeRO-3, AdamW).
-        state_dict: full initial values (e.g. a checkpoint), loaded unit by unit; without it a
-            meta model is initialized by its modules' own `reset_parameters()`.
-    """
-    if config is None:
-        config = Config()
-    if not isinstance(config, Config):
-        raise TypeError(
-            f"config must be a fxzero.Config, got {type(config).__name__}; for a DeepSpeed "
-            "dict use fxzero.Config.from_deepspeed(ds_config)"
-        )
-    return Engine(model, config, state_dict=state_dict)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

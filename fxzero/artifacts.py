@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from fxzero import estimate
+from fxzero._compat import OpOverload
 from fxzero.liveness import program_live_bytes
 from fxzero.schedule import Schedule
 
@@ -218,7 +219,7 @@ def _target_name(node: fx.Node) -> str:
         return node.op
     target = node.target
     name = getattr(target, "__name__", None) or str(target)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         ns = target.namespace
         name = target._schema.name.split("::")[-1]
         return f"{ns}.{name}"

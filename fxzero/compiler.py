@@ -7,37 +7,21 @@ the CLI both start from its result.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from fxzero.config import Config
-from fxzero.passes import build_pipeline, persistent_units
-from fxzero.passes.runner import PassContext, PassRecord, run_pipeline
-from fxzero.ir.program import Program
-from fxzero.schedule import Schedule, build_schedule
-from fxzero.ir.signature import JointSignature
+from fxzero.passes import build_pipeline
+from fxzero.passes.runner import PassContext, run_pipeline
+from fxzero.schedule import build_schedule
+from fxzero.schedule.compiled import CompiledProgram
 from fxzero.trace import trace_joint
 from fxzero.ir.layout import UnitLayout
-from fxzero.units import bucket_units, plan_units
+from fxzero.units import bucket_units, persistent_units, plan_units
 
-__all__ = ["CompiledProgram", "compile_program", "plan_layouts"]
-
-
-@dataclasses.dataclass
-class CompiledProgram:
-    """The compiler's products for one input signature."""
-
-    signature: JointSignature
-    layouts: list[UnitLayout]
-    programs: dict[str, Program]
-    """"forward" and "backward": the executable graphs the schedule refers to by node name."""
-    schedule: Schedule
-    pass_trace: list[PassRecord]
-    joint: torch.fx.GraphModule
-    """The rewritten joint graph, for viewing."""
+__all__ = ["compile_program", "plan_layouts"]
 
 
 def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None) -> list[UnitLayout]:
@@ -80,7 +64,5 @@ def compile_program(
         ctx.programs, layouts, stage=config.stage, world_size=world_size,
         persistent=persistent_units(config, layouts),
         prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"),
-        tiers=config.offload.tiers(), lookahead=config.offload.lookahead,
-        updated_in_backward=ctx.outputs.get("updated_in_backward", ()),
     )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -25,8 +25,11 @@ Precision "fp32" is how fxzero trains today (4-byte params and grads, two 4-byte
 model's own dtype in the runtime accounting); "mixed" is the paper's 2 + 2 + 12 (the 12 being
 fp32 master weights and two moments), used for comparison with DeepSpeed's figures.
 
-Offload moves the optimizer states, and at stage 3 the parameter shards too, off the device to
-the cpu or nvme tier (ZeRO-Offload / ZeRO-Infinity); gradients stay on the device.
+`place(states, stage, offload)` splits them over the tiers a `fxzero.Offload` names, by the
+rules the runtime follows: optimizer states go where `Offload.optimizer` says, gradients where
+`Offload.grads` says (with the optimizer states when unset) once they are sharded (stage 2 and
+3; at stage 1 the full gradient buffer stays on the device), and parameter shards where
+`Offload.params` says (stage 3 only).
 """
 
 from __future__ import annotations
@@ -34,19 +37,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Literal, Optional
 
+from fxzero.config import Offload
 from fxzero.ir.layout import UnitLayout
 
 __all__ = [
     "BYTES_PER_PARAM",
     "ModelStates",
-    "Placement",
+    "BytesByTier",
     "paper_model_states",
     "place",
     "runtime_model_states",
 ]
 
 Precision = Literal["fp32", "mixed"]
-Offload = Optional[Literal["cpu", "nvme"]]
 
 BYTES_PER_PARAM: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
@@ -71,8 +74,8 @@ class ModelStates:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where one rank's model states live."""
+class BytesByTier:
+    """Bytes of one rank's model states on each tier."""
 
     device: float
     cpu: float = 0.0
@@ -140,18 +143,15 @@ def runtime_model_states(
     return ModelStates(params, grads, optimizer)
 
 
-def place(states: ModelStates, stage: int, offload: Offload = None) -> Placement:
-    """Where `states` live under an offload setting: optimizer states (and, at stage 3, the
-    parameter shards) go to the offload tier; gradients stay on the device. No ZeRO (stage 0)
-    offloads nothing."""
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+def place(states: ModelStates, stage: int, offload: Optional[Offload] = None) -> BytesByTier:
+    """Where `states` live under `offload` (see the module doc); no ZeRO (stage 0) offloads nothing."""
     if offload is None or stage == 0:
-        return Placement(device=states.total)
-    moved = states.optimizer + (states.params if stage == 3 else 0.0)
-    tier = {"cpu": 0.0, "nvme": 0.0}
-    tier[offload] = moved
-    return Placement(device=states.total - moved, **tier)
+        return BytesByTier(device=states.total)
+    tier = {"device": 0.0, "cpu": 0.0, "nvme": 0.0}
+    tier[offload.placement("exp_avg").tier] += states.optimizer
+    tier[offload.placement("grad").tier if stage >= 2 else "device"] += states.grads
+    tier[offload.placement("param").tier if stage == 3 else "device"] += states.params
+    return BytesByTier(**tier)
 
 
 def largest_unit(layouts: Iterable[UnitLayout]) -> Optional[UnitLayout]:

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from fxzero.ir.alias import alias_source
+from fxzero.ir.instruction import Instruction
 from fxzero.schedule import ProgramSchedule
 from fxzero.ir.layout import UnitLayout
 
@@ -57,12 +58,11 @@ def _storage_bytes(node: fx.Node, layouts: dict[str, UnitLayout]) -> int:
     return 0
 
 
-def _storage_parent(node: fx.Node) -> fx.Node | None:
-    """The node whose storage `node` shares at run time, if any."""
-    kind = node.meta.get("fxzero", {}).get("kind")
-    if kind == "wait" and node.op == "call_function":
+def _storage_parent(node: fx.Node, ins: Instruction | None) -> fx.Node | None:
+    """The node whose storage `node` (run as `ins`) shares at run time, if any."""
+    if ins is not None and ins.kind == "wait":
         return node.args[0]  # the collective allocated the result; the wait hands it over
-    if kind == "reduce_scatter" and bool(node.args[3]):
+    if ins is not None and ins.kind == "reduce_scatter" and ins.keep_full:
         return node.args[0]  # ZeRO-1: the averaged shard is written into the full buffer
     if node.op == "call_function" and node.target is operator.getitem:
         src = node.args[0]
@@ -101,10 +101,11 @@ def program_live_bytes(
             last_read[r] = i
 
     root_of: dict[str, str] = {}
+    by_name = {ins.name: ins for ins in program.instructions}
 
     def root(name: str) -> str:
         if name not in root_of:
-            parent = _storage_parent(nodes[name]) if name in nodes else None
+            parent = _storage_parent(nodes[name], by_name.get(name)) if name in nodes else None
             root_of[name] = root(parent.name) if parent is not None else name
         return root_of[name]
 
@@ -113,7 +114,7 @@ def program_live_bytes(
     end: dict[str, int] = {}
     is_grad: set[str] = set()
     skip: set[str] = set()  # model states and gathered buffers, counted elsewhere
-    kept = set(program.kept)  # gathered buffers kept from the forward: in the schedule's timeline
+    kept = set(program.kept_names)  # gathered buffers kept from the forward: in the schedule's timeline
     for name, kind in input_kinds.items():
         if kind in ("unit", "buffer") or name in kept:
             skip.add(name)

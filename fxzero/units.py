@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from fxzero.config import UnitsPolicy
+from fxzero.config import Config, UnitsPolicy
 from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
 
-__all__ = ["FROZEN_SUFFIX", "ROOT", "TAIL", "bucket_units", "plan_units"]
+__all__ = ["FROZEN_SUFFIX", "ROOT", "TAIL", "bucket_units", "persistent_units", "plan_units"]
 
 ROOT = "root"
 TAIL = "root:tail"
@@ -166,3 +166,8 @@ def bucket_units(layouts: list[UnitLayout], *, max_bytes: int) -> list[UnitLayou
             out.append(layout)
     flush()
     return out
+
+
+def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:
+    """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3."""
+    return frozenset(u.name for u in layouts if config.persistent(u.numel))

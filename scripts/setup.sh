@@ -71,7 +71,7 @@ fi
 want="$( { cat requirements.txt pyproject.toml; find fxzero -name __init__.py | LC_ALL=C sort; } \
     | sha256sum | cut -d' ' -f1) $ROOT"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && "$VENV/bin/python" -c 'import importlib.metadata as md, torch, numpy, networkx, graphviz, click, pytest
+    && "$VENV/bin/python" -c 'import importlib.metadata as md, torch, numpy, networkx, graphviz, click, pytest, pytest_timeout
 md.version("fxzero")' >/dev/null 2>&1; then
     say "packages: up to date"
 else

@@ -27,6 +27,18 @@ def parse_count(text: str) -> float:
     return value * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2)]
 
 
+def offload_policy(tier: Optional[str]):
+    """The `fxzero.Offload` `--offload cpu|nvme` stands for: parameters (at stage 3) and
+    optimizer states on that tier, gradients with the optimizer states, as DeepSpeed's
+    offload_param / offload_optimizer do. (No file is written: the NVMe path is a placeholder.)"""
+    from fxzero.config import Cpu, Nvme, Offload
+
+    if tier is None:
+        return None
+    placement = Cpu() if tier == "cpu" else Nvme(path="nvme")
+    return Offload(params=placement, optimizer=placement)
+
+
 def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
     rows = []
     for stage in estimate.STAGES:
@@ -78,7 +90,7 @@ def estimate_command(model: Optional[str], params_text, world, nodes, offload, a
         phi = float(sum(u.numel for u in layouts))
     else:
         phi = parse_count(params_text)
-    rows = _rows(phi, world, offload, layouts)
+    rows = _rows(phi, world, offload_policy(offload), layouts)
     per_node = world // nodes
     largest = estimate.largest_unit(layouts) if layouts else None
     result = {

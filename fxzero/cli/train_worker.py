@@ -11,7 +11,7 @@ fails. The data is a task the model can learn, picked from its inputs and output
 - anything else: drive the outputs towards zero (mean squared output), just to exercise a step.
 
 Each rank draws its own batch every step, as data-parallel ranks do. Every rank records when
-each forward and backward instruction of the last step ran (`Engine.record_timeline`). At the
+each instruction of the last step ran (`Engine.record_timeline`). At the
 end rank 0 records the artifacts of the program that ran (graph, pass trace, schedule), run.json
 and every rank's timeline (timeline.json) into --out.
 

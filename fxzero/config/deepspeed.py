@@ -51,7 +51,7 @@ def config_fields(ds: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Any]
     zero = ds.get("zero_optimization", {})
     threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
     # A reuse distance of 0 releases every parameter after use: gather each unit twice.
-    prefetch = Prefetch(keep_for_backward=int(zero.get("stage3_max_reuse_distance", 1)) > 0)
+    prefetch = Prefetch(keep_for_backward=None if int(zero.get("stage3_max_reuse_distance", 1)) > 0 else False)
     offload = Offload(
         params=_placement_from_deepspeed(zero.get("offload_param", {}), "offload_param"),
         optimizer=_placement_from_deepspeed(zero.get("offload_optimizer", {}), "offload_optimizer"),

@@ -88,11 +88,14 @@ class Prefetch:
     several ahead (DeepSpeed's defaults, 1e9 live parameters, keep every parameter of such a
     model gathered), while a large one keeps its one-unit lookahead."""
 
-    keep_for_backward: bool = True
+    keep_for_backward: Optional[bool] = None
     """Units the backward needs first stay gathered from the forward into the backward, as far
     as the budget allows, instead of being freed and gathered again (DeepSpeed's
     stage3_max_reuse_distance; FSDP2 does this for its root module). Their backward gathers
-    disappear, so a step moves less than 3 x Phi elements. False: every unit is gathered twice."""
+    disappear, so a step moves less than 3 x Phi elements. False: every unit is gathered twice.
+    None (the default): keep them where that applies, which is at stage 3 with the parameters on
+    the device (with offloaded parameters the fetched shards are kept instead, and the backward
+    gathers again from them); True where it does not apply warns that it has no effect."""
 
     def __post_init__(self) -> None:
         if self.max_live_bytes is not None and self.max_live_bytes <= 0:

@@ -56,7 +56,7 @@ class CostModel:
 
     def io_seconds(self, ins: Instruction) -> float:
         """Time of a fetch (read) or offload (write) of `ins.bytes` from or to its tier."""
-        key = f"{ins.algorithm}_{'read' if ins.kind == 'fetch' else 'write'}"
+        key = f"{ins.tier}_{'read' if ins.kind == 'fetch' else 'write'}"
         link = self.io.get(key) or DEFAULT_IO.get(key)
         if link is None:
             link = Link(bandwidth=self.mem_bytes_per_s / 2)

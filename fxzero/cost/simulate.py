@@ -47,6 +47,13 @@ class SimResult:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "events"}
 
 
+def _priced_as(ins, cost: CostModel) -> str:
+    """The link a collective is priced on: how it is carried out (a reduce-scatter done as an
+    all-reduce costs an all-reduce), falling back to the all-gather link a model may only have."""
+    kind = ins.algorithm or ins.kind
+    return kind if kind in cost.links else "all_gather"
+
+
 def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
     """Replay `schedule`'s programs (forward, backward, step) on compute, comm and io streams.
 
@@ -77,7 +84,7 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
                 stream = "comm" if ins.kind in COLLECTIVES else "io"
                 begin = max(clock[stream], ready, clock["compute"])
                 if stream == "comm":
-                    duration = cost.collective_seconds(ins.kind if ins.kind in cost.links else "all_gather", ins.bytes, world)
+                    duration = cost.collective_seconds(_priced_as(ins, cost), ins.bytes, world)
                 else:
                     duration = cost.io_seconds(ins)
                 stream_of[ins.name] = stream

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from fxzero._compat import OpOverload
 
-__all__ = ["alias_closure", "alias_root", "alias_source"]
+__all__ = ["alias_closure", "alias_root", "alias_source", "mutated_args"]
 
 
 def _returns_alias(target) -> bool:
@@ -54,3 +54,16 @@ def alias_closure(root: fx.Node) -> list[fx.Node]:
                 closure.append(user)
                 frontier.append(user)
     return closure
+
+
+def mutated_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments an operator changes in place, as its schema declares them (`Tensor(a!)`)."""
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
+        return []
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.append(value)
+    return out

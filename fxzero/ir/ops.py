@@ -5,15 +5,18 @@ directly) and a fake kernel, so rewritten graphs still trace under FakeTensorMod
 does not call the collective kernels: it recognizes these nodes and issues asynchronous
 collectives instead (see `fxzero/runtime/executor.py`).
 
-Ops that only matter for their effect (`free`) declare a mutated argument, which makes their
-schema mutable, so `Graph.eliminate_dead_code` keeps them.
+Ops that change a buffer in place declare it in `mutates_args` (`free`, `adamw`,
+`all_gather_into`): their schema is then mutable, so `Graph.eliminate_dead_code` keeps them, and
+the schedule orders every other reader of that buffer around them ([Note: ordered by
+mutation] in `fxzero/schedule/build.py`).
 """
 
 from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "adamw", "all_gather", "fetch", "flatten_grads", "free", "offload", "reduce_scatter", "wait"]
+__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
+           "wait"]
 
 _lib = "fxzero"
 
@@ -107,19 +110,22 @@ def _(
 
 
 @torch.library.custom_op(f"{_lib}::fetch", mutates_args=())
-def fetch(shard: torch.Tensor, unit: str, state: str) -> torch.Tensor:
-    """Start reading `unit`'s `state` ("param", ...) shard from the tier it is offloaded to.
+def fetch(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Start reading `unit`'s `state` ("param", "grad", "exp_avg", ...) shard, `numel` elements of
+    `dtype`, from the storage tier it is offloaded to.
 
-    `shard` is the unit's placeholder (the runtime binds it to nothing: the tier holds the
-    values). The result may only be read after the matching `fxzero::wait`. Eagerly (no tier),
-    the shard itself is the value.
+    The result may only be read after the matching `fxzero::wait`. Only the runtime knows the
+    tiers, so there is no eager kernel.
     """
-    return shard.clone()
+    raise RuntimeError(
+        "fxzero::fetch ran eagerly; the offloaded state lives in the engine's storage tiers: run the "
+        "rewritten graph through fxzero's runtime"
+    )
 
 
 @fetch.register_fake
-def _(shard: torch.Tensor, unit: str, state: str) -> torch.Tensor:
-    return torch.empty_like(shard)
+def _(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype)
 
 
 @torch.library.custom_op(f"{_lib}::offload", mutates_args=())
@@ -137,14 +143,13 @@ def _(value: torch.Tensor, unit: str, state: str) -> torch.Tensor:
     return value.new_empty(0)
 
 
-@torch.library.custom_op(f"{_lib}::adamw", mutates_args=())
-def adamw(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, unit: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One AdamW update of `unit`'s shard: the new (param, exp_avg, exp_avg_sq).
+@torch.library.custom_op(f"{_lib}::adamw", mutates_args=("param", "exp_avg", "exp_avg_sq"))
+def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, unit: str) -> None:
+    """One AdamW update of `unit`'s shard, in place: `param`, `exp_avg` and `exp_avg_sq` change.
 
-    Functional in the graph; the runtime updates the (dead) inputs in place with the engine's
-    optimizer settings and step count, which only it knows, so there is no eager kernel.
+    `param` is this rank's shard, or, for a unit held whole (ZeRO-1/2, persistent units), the
+    unit's full flat buffer, of which this rank's slice is updated. The runtime supplies the
+    optimizer's settings and step count, which only it knows, so there is no eager kernel.
     """
     raise RuntimeError(
         "fxzero::adamw ran eagerly; it needs the engine's optimizer state: run the rewritten "
@@ -154,7 +159,27 @@ def adamw(
 
 @adamw.register_fake
 def _(param, grad, exp_avg, exp_avg_sq, unit):
-    return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+    return None
+
+
+@torch.library.custom_op(f"{_lib}::all_gather_into", mutates_args=("full",))
+def all_gather_into(full: torch.Tensor, unit: str, world_size: int) -> torch.Tensor:
+    """Start gathering, into `full` (a unit's whole flat buffer, held for the whole step), every
+    rank's slice of it: this rank's slice is current (it was just updated), the others' are not.
+
+    The result is an empty token; after its `fxzero::wait`, `full` is current everywhere.
+    """
+    if world_size != 1:
+        raise RuntimeError(
+            "fxzero::all_gather_into ran eagerly with world_size > 1; rewritten graphs must run "
+            "through fxzero's runtime, which issues the collective"
+        )
+    return full.new_empty(0)
+
+
+@all_gather_into.register_fake
+def _(full: torch.Tensor, unit: str, world_size: int) -> torch.Tensor:
+    return full.new_empty(0)
 
 
 OPS = {
@@ -166,4 +191,5 @@ OPS = {
     "fetch": torch.ops.fxzero.fetch.default,
     "offload": torch.ops.fxzero.offload.default,
     "adamw": torch.ops.fxzero.adamw.default,
+    "all_gather_into": torch.ops.fxzero.all_gather_into.default,
 }

@@ -25,6 +25,7 @@ __all__ = [
     "phase",
     "positions",
     "tag",
+    "wait_of",
 ]
 
 NodeKind = Literal[
@@ -73,3 +74,10 @@ def last_user(nodes: Iterable[fx.Node], pos: dict[fx.Node, int]) -> Optional[fx.
     """The latest node (in graph order) that uses any of `nodes`."""
     users = [u for n in nodes for u in n.users]
     return max(users, key=pos.__getitem__) if users else None
+
+
+def wait_of(start: fx.Node) -> fx.Node:
+    """The `wait` of an asynchronous node (a collective, a fetch, an offload): its one reader
+    of kind wait (IR rule 2)."""
+    (wait,) = [u for u in start.users if is_kind(u, "wait")]
+    return wait

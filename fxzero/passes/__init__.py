@@ -1,23 +1,24 @@
 """The ordered pass pipeline. See README.md beside this file for the IR's invariants."""
 
 from fxzero.config import Config
+from fxzero.ir.layout import UnitLayout
 from fxzero.passes import (
+    canonicalize,
     choose_collectives,
     insert_gather_free,
     insert_reduce_scatter,
-    offload,
+    keep_for_backward,
+    offload_grads,
+    offload_params,
     partition,
     prefetch,
     separate_phases,
     split,
+    step_in_backward,
+    step_program,
 )
 from fxzero.passes.runner import Pass
-from fxzero.ir.layout import UnitLayout
-
-
-def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:
-    """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3."""
-    return frozenset(u.name for u in layouts if config.persistent(u.numel))
+from fxzero.units import persistent_units
 
 
 def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -> list[Pass]:
@@ -25,23 +26,33 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
 
     `cost_model` (a `fxzero.cost.CostModel`, or None) prices the choices passes make.
     """
+    persistent = persistent_units(config, layouts)
+    tiers = config.offload.tiers()
+    lookahead = config.offload.lookahead
     passes = [
-        partition.make(persistent=persistent_units(config, layouts)),
+        partition.make(persistent=persistent),
         separate_phases.PASS,
         insert_gather_free.PASS,
         insert_reduce_scatter.make(keep_full=config.stage == 1),
+        choose_collectives.make(cost_model=cost_model),
     ]
-    passes.append(choose_collectives.make(cost_model=cost_model))
-    tiers = config.offload.tiers()
     if config.prefetch is not None:
-        # A unit kept from the forward has no backward gather, which offloaded parameters need
-        # (their backward fetch is what a step in the backward updates): not with offload.
-        keep = config.prefetch.keep_for_backward and "param" not in tiers
-        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes, keep_for_backward=keep))
-    if "param" in tiers or "grad" in tiers:
-        passes.append(offload.make(
-            params=tiers.get("param"), grads=tiers.get("grad"), lookahead=config.offload.lookahead,
-            cost_model=cost_model, step_in_backward=tiers.get("exp_avg") if config.offload.step_in_backward else None,
-        ))
-    passes.append(split.PASS)
+        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
+    if "param" in tiers:
+        passes.append(offload_params.make(tier=tiers["param"], lookahead=lookahead, cost_model=cost_model))
+        passes.append(keep_for_backward.make(buffer="fetched", count=lookahead + 1))
+        if config.offload.step_in_backward:
+            passes.append(step_in_backward.make(params=tiers["param"], optimizer=tiers["exp_avg"],
+                                                lookahead=lookahead, cost_model=cost_model))
+    elif config.prefetch is not None and config.prefetch.keep_for_backward is not False:
+        # (With offloaded parameters the backward's gathers stay: they read the shards an update
+        # in the backward writes; the fetched shards are kept instead.)
+        passes.append(keep_for_backward.make(buffer="gathered"))
+    if "grad" in tiers:
+        passes.append(offload_grads.make(tier=tiers["grad"], lookahead=lookahead))
+    passes += [
+        canonicalize.PASS,
+        split.PASS,
+        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent),
+    ]
     return passes

@@ -15,13 +15,34 @@ from typing import Optional
 from fxzero.ir.instruction import COLLECTIVES, Instruction
 from fxzero.ir.layout import UnitLayout
 
-__all__ = ["SCHEDULE_VERSION", "ProgramSchedule", "Schedule", "ScheduleError"]
+__all__ = ["SCHEDULE_VERSION", "Kept", "ProgramSchedule", "Schedule", "ScheduleError"]
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
+"""2: instructions carry their buffer, tier, keep_full, aligned and dtype; the step program is a
+graph program like the others; `kept` entries say what each buffer is."""
 
 
 class ScheduleError(ValueError):
     """A schedule breaks one of the rules `validate` checks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """A buffer kept across the forward/backward boundary (`fxzero/passes/keep_for_backward.py`):
+    an output of the forward program and an input of the backward program, which frees it."""
+
+    name: str
+    buffer: str
+    """"gathered" (a unit's gathered parameters) or "fetched" (an offloaded parameter shard)."""
+    unit: str
+    bytes: int
+
+    def to_json(self) -> list:
+        return [self.name, self.buffer, self.unit, self.bytes]
+
+    @classmethod
+    def from_json(cls, d: list) -> "Kept":
+        return cls(*d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +53,13 @@ class ProgramSchedule:
     instructions: tuple[Instruction, ...]
     gathered_bytes: tuple[int, ...]
     """Bytes of gathered parameter buffers alive after each instruction."""
-    kept: tuple[str, ...] = ()
-    """Buffers kept from the forward for the backward: gathered buffers
-    (Prefetch.keep_for_backward) and fetched parameter shards (offloaded parameters, see
-    passes/offload.py). Outputs of the forward program, inputs of the backward program, which
-    frees them."""
+    kept: tuple[Kept, ...] = ()
+    """Buffers kept from the forward for the backward (outputs of the forward program, inputs of
+    the backward program, which frees them)."""
+
+    @property
+    def kept_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.kept)
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -49,7 +72,7 @@ class ProgramSchedule:
             "outputs": list(self.outputs),
             "instructions": [i.to_json() for i in self.instructions],
             "gathered_bytes": list(self.gathered_bytes),
-            "kept": list(self.kept),
+            "kept": [k.to_json() for k in self.kept],
         }
 
     @classmethod
@@ -60,7 +83,7 @@ class ProgramSchedule:
             tuple(d["outputs"]),
             tuple(Instruction.from_json(i) for i in d["instructions"]),
             tuple(d["gathered_bytes"]),
-            tuple(d.get("kept", ())),
+            tuple(Kept.from_json(k) for k in d.get("kept", ())),
         )
 
 
@@ -87,21 +110,22 @@ class Schedule:
     def peak_gathered_bytes(self) -> int:
         return max(p.peak_gathered_bytes for p in self.programs)
 
-    def _kept(self, source: str) -> tuple[str, ...]:
+    def _kept(self, buffer: str) -> tuple[str, ...]:
+        """Units of the forward's kept buffers of one kind, in the order the forward made them."""
         forward = self.program("forward")
-        kept = set(forward.kept)
-        kinds = {i.name: i.kind for i in forward.instructions}
-        return tuple(i.unit for i in forward.instructions if i.name in kept and kinds.get(i.reads[0]) == source)
+        position = {i.name: n for n, i in enumerate(forward.instructions)}
+        kept = sorted((k for k in forward.kept if k.buffer == buffer), key=lambda k: position.get(k.name, -1))
+        return tuple(k.unit for k in kept)
 
     @property
     def kept_for_backward(self) -> tuple[str, ...]:
         """Units whose forward gather the backward reuses (Prefetch.keep_for_backward)."""
-        return self._kept("all_gather")
+        return self._kept("gathered")
 
     @property
     def shards_kept_for_backward(self) -> tuple[str, ...]:
         """Offloaded units whose parameter shard, fetched in the forward, the backward reuses."""
-        return self._kept("fetch")
+        return self._kept("fetched")
 
     def collectives(self) -> list[tuple[str, Instruction]]:
         return [(p.name, i) for p in self.programs for i in p.instructions if i.kind in COLLECTIVES]

@@ -39,7 +39,7 @@ def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruc
     # collective and transfer results not yet waited for
     pending: dict[str, Instruction] = dict(carried_in or {})
     # gathered buffers and fetched shards, which must be freed (those kept from the forward too)
-    live: set[str] = set(p.kept) & defined
+    live: set[str] = set(p.kept_names) & defined
     freed: set[str] = set()
     names = [i.name for i in p.instructions]
     for idx, ins in enumerate(p.instructions):
@@ -65,10 +65,9 @@ def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruc
             (src,) = ins.reads
             if src not in pending:
                 raise ScheduleError(f"{where}: waits for {src}, which is not an outstanding collective or transfer")
-            # The step program re-gathers into the persistent parameter buffers (ZeRO-1/2),
-            # which are never freed, and its fetched states are consumed by the update; in the
-            # forward and backward every gather and every fetch makes a transient buffer.
-            if pending.pop(src).kind in ("all_gather", "fetch") and p.name != "step":
+            # A gathered buffer or a fetched shard is transient: it must be freed. (The step
+            # program's gathers refill the persistent buffers, which are never freed.)
+            if pending.pop(src).buffer in ("gathered", "fetched"):
                 live.add(ins.name)
         if ins.kind == "free":
             (buf,) = ins.reads
@@ -88,7 +87,7 @@ def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruc
         raise ScheduleError(
             f"{p.name} program: {first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)"
         )
-    live -= set(p.kept) & set(p.outputs)  # kept for the backward, which frees them
+    live -= set(p.kept_names) & set(p.outputs)  # kept for the backward, which frees them
     if live:
         raise ScheduleError(f"{p.name} program: gathered or fetched buffers {sorted(live)} are never freed")
     assert len(set(names)) == len(names), f"duplicate instruction names in {p.name}"

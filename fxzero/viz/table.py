@@ -38,9 +38,9 @@ def _describe(ins) -> str:
     if ins.kind == "optim_step":
         return f"AdamW step {ins.unit}"
     if ins.kind in ("fetch", "offload"):
-        return f"{ins.kind} {ins.state} {ins.unit} ({ins.algorithm})"
+        return f"{ins.kind} {ins.state} {ins.unit} ({ins.tier})"
     if ins.kind in ("all_gather", "reduce_scatter", "free"):
-        how = getattr(ins, "algorithm", "")
+        how = ins.algorithm
         return f"{ins.kind} {ins.unit}" + (f" (as {how})" if how and how != ins.kind else "")
     return ins.name
 

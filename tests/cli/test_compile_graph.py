@@ -19,7 +19,7 @@ def test_compile_writes_the_artifacts(tiny_dir, runner):
     assert art.manifest["model"] == TINY and art.schedule.world_size == WORLD and art.schedule.stage == 3
     assert art.units == ["root", "blocks.0", "blocks.1", "root:tail"]
     passes = [r["name"] for r in art.pass_trace]
-    assert passes[0] == "partition" and passes[-1] == "split"
+    assert passes[0] == "partition" and passes[-2:] == ["split", "step_program"]
     assert all({"changed", "seconds", "nodes_before", "nodes_after", "summary"} <= set(r) for r in art.pass_trace)
     kinds = {n["kind"] for n in art.graph["nodes"]}
     assert {"unit", "all_gather", "wait", "free", "reduce_scatter", "compute"} <= kinds

@@ -51,18 +51,32 @@ def test_model_uses_the_runtime_layouts_with_padding(runner):
     assert rows[3]["mixed"]["total"] == 16 * shard
 
 
-def test_offload_moves_optimizer_states_and_stage3_params(runner):
+def test_offload_moves_optimizer_states_sharded_gradients_and_stage3_params(runner):
+    # As the runtime places them (Offload(params=..., optimizer=...), gradients with the
+    # optimizer states): mixed precision, 2 + 2 + 12 bytes per parameter, 1B on 8 ranks.
     result = _json(runner, "--params", "1B", "--world", "8", "--nodes", "2", "--offload", "nvme")
     rows = {r["stage"]: r["mixed"] for r in result["per_rank"]}
     assert result["ranks_per_node"] == 4
     assert rows[0]["placement"]["nvme"] == 0
-    assert rows[2]["placement"]["nvme"] == pytest.approx(12e9 / 8)
-    assert rows[2]["placement"]["device"] == pytest.approx(2e9 + 2e9 / 8)
-    assert rows[3]["placement"]["nvme"] == pytest.approx(14e9 / 8)
-    assert rows[3]["placement"]["device"] == pytest.approx(2e9 / 8)
+    assert rows[1]["placement"]["nvme"] == pytest.approx(12e9 / 8)  # the full gradient stays
+    assert rows[1]["placement"]["device"] == pytest.approx(2e9 + 2e9)
+    assert rows[2]["placement"]["nvme"] == pytest.approx(14e9 / 8)
+    assert rows[2]["placement"]["device"] == pytest.approx(2e9)
+    assert rows[3]["placement"]["nvme"] == pytest.approx(16e9 / 8)
+    assert rows[3]["placement"]["device"] == 0
     assert rows[3]["placement"]["cpu"] == 0
     text = invoke(runner, "estimate", "--params", "1B", "--world", "8", "--nodes", "2", "--offload", "cpu").output
     assert "cpu per node" in text
+
+
+def test_model_offload_splits_its_own_layouts_over_the_tiers(runner):
+    layouts = plan_units(build_model("gpt-tiny"), UnitsPolicy(), 3)
+    shard = sum(u.shard_numel for u in layouts)
+    padded = sum(u.padded_numel for u in layouts)
+    rows = {r["stage"]: r["fp32"]["placement"] for r in _json(runner, "gpt-tiny", "--world", "3", "--offload", "cpu")["per_rank"]}
+    assert rows[3] == {"device": 0, "cpu": 16 * shard, "nvme": 0, "total": 16 * shard}
+    assert rows[2] == {"device": 4 * padded, "cpu": 12 * shard, "nvme": 0, "total": 4 * padded + 12 * shard}
+    assert rows[1]["device"] == 8 * padded and rows[1]["cpu"] == 8 * shard
 
 
 @pytest.mark.parametrize("args, message", [

@@ -54,7 +54,7 @@ def test_recorded_trace_has_every_rank_and_only_scheduled_instructions(trained, 
     assert processes == {r: f"rank {r} (recorded by fxzero train, step 3)" for r in (0, 1)}
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     s = art.schedule
-    ran = [(p.name, i) for p in s.programs[:2] for i in range(len(p.instructions))]  # forward, backward
+    ran = [(p.name, i) for p in s.programs for i in range(len(p.instructions))]  # forward, backward, step
     for rank in (0, 1):
         slices = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["cat"] != "program"]
         for e in slices:

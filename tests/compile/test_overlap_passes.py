@@ -162,9 +162,10 @@ def test_simulator_runs_for_hardware_we_do_not_have():
 
 
 def test_keep_for_backward_follows_deepspeeds_reuse_distance():
-    assert fxzero.Config.from_deepspeed({"zero_optimization": {"stage": 3}}).prefetch.keep_for_backward
+    # Unset (None): kept where that applies, as DeepSpeed reuses within its default distance.
+    assert fxzero.Config.from_deepspeed({"zero_optimization": {"stage": 3}}).prefetch.keep_for_backward is None
     cfg = fxzero.Config.from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}})
-    assert not cfg.prefetch.keep_for_backward
+    assert cfg.prefetch.keep_for_backward is False
     kept = _compile(fxzero.Config(stage=3)).schedule
     twice = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False))).schedule
     assert kept.kept_for_backward and not twice.kept_for_backward

@@ -173,7 +173,8 @@ def test_stage3_step_waits_for_each_gradient_right_before_its_update():
     backward = schedule.program("backward")
     (waited,) = [i.reads[0] for i in step.instructions if i.kind == "wait"]
     assert backward.instructions[-1].name == waited and waited in backward.outputs
-    assert step.instructions[-1].reads == (f"wait:{waited}",)
+    update, wait = step.instructions[-1], step.instructions[-2]
+    assert wait.reads == (waited,) and update.reads[1] == wait.name  # adamw(param, grad, exp_avg, exp_avg_sq)
 
 
 def test_same_model_gives_the_same_fingerprint():

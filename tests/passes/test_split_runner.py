@@ -172,7 +172,7 @@ def test_runner_lints_after_each_pass():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_pass_trace_records_each_pass_with_node_counts(stage):
-    run = cached_pipeline("tied", "split", stage)
+    run = cached_pipeline("tied", "step_program", stage)
     records = run.records
     pipeline = build_pipeline(fxzero.Config(stage=stage, prefetch=None), run.layouts)
     assert [r.name for r in records] == [p.name for p in pipeline]

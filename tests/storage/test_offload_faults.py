@@ -23,7 +23,8 @@ from fxzero.runtime.storage.aligned import ALIGN
 
 def _nvme_config(path, write_behind_bytes: int = 0, **kw) -> fxzero.Config:
     # Write-behind off by default here: reads then always come from the files these tests damage.
-    place = fxzero.Nvme(path=str(path), write_behind_bytes=write_behind_bytes)
+    # Small blocks: every shard spans several, so damage past the first block is seen too.
+    place = fxzero.Nvme(path=str(path), write_behind_bytes=write_behind_bytes, block_bytes=4096)
     return fxzero.Config(offload=fxzero.Offload(params=place, optimizer=place, **kw), cost_model=None)
 
 
@@ -71,29 +72,33 @@ def test_disk_too_small_is_refused_before_training(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [], "nothing may be written when the states do not fit"
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("how", ["truncate", "flip", "flip_last", "delete"])
 def test_state_changed_underneath_is_detected(tmp_path, how):
     engine, inputs = _engine(_nvme_config(tmp_path))
     _train_step(engine, inputs)
-    steps_before = {unit: state.step for unit, state in engine._optim.items()}
+    steps_before = dict(engine._steps)
     (rank_dir,) = os.listdir(tmp_path)
     victim = os.path.join(tmp_path, rank_dir, "param%2Fblocks.1.fxz")
     assert os.path.exists(victim), os.listdir(os.path.join(tmp_path, rank_dir))
     if how == "truncate":
         os.truncate(victim, os.path.getsize(victim) - ALIGN)
-    elif how == "flip":
+    elif how in ("flip", "flip_last"):
+        # The first block's sixth byte, or the last byte of data (the file's last block).
+        nbytes = engine.store.tier("param").nbytes("param/blocks.1")
+        where = ALIGN + (5 if how == "flip" else nbytes - 1)
         with open(victim, "r+b") as f:
-            f.seek(ALIGN + 5)
+            f.seek(where)
             b = f.read(1)
-            f.seek(ALIGN + 5)
+            f.seek(where)
             f.write(bytes([b[0] ^ 0x01]))
     else:
         os.unlink(victim)
-    expected = {"truncate": "expected .* bytes on disk", "flip": "checksum mismatch", "delete": "file is missing"}[how]
+    expected = {"truncate": "expected .* bytes on disk", "flip": "checksum mismatch", "flip_last": "checksum mismatch",
+                "delete": "file is missing"}[how]
     with pytest.raises(IOError, match=rf"NvmeTier key 'param/blocks.1', file .*: {expected}"):
         _train_step(engine, inputs)
     # The bad read stopped the forward: no unit took another optimizer step.
-    assert {unit: state.step for unit, state in engine._optim.items()} == steps_before == {
+    assert dict(engine._steps) == steps_before == {
         unit: 1 for unit in steps_before
     }
     engine.close()

@@ -43,11 +43,13 @@ def _corrupt(tier: NvmeTier, key: str, how: str) -> None:
     path = tier.file(key)
     if how == "truncate":
         os.truncate(path, os.path.getsize(path) - ALIGN)
-    elif how == "flip":
+    elif how in ("flip", "flip_last"):
+        # A byte of the first block, or the very last byte of data (in the last block).
+        where = ALIGN + (17 if how == "flip" else tier.nbytes(key) - 1)
         with open(path, "r+b") as f:
-            f.seek(ALIGN + 17)
+            f.seek(where)
             b = f.read(1)
-            f.seek(ALIGN + 17)
+            f.seek(where)
             f.write(bytes([b[0] ^ 0x40]))
     elif how == "delete":
         os.unlink(path)
@@ -159,6 +161,7 @@ def test_report_counts_bytes(tmp_path, which):
 @pytest.mark.parametrize("how,match", [
     ("truncate", r"expected \d+ bytes on disk .*got \d+"),
     ("flip", r"checksum mismatch: expected xxh3 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}"),
+    ("flip_last", r"checksum mismatch: expected xxh3 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}"),
     ("delete", "file is missing"),
 ])
 def test_corruption_is_detected(tmp_path, direct, how, match):

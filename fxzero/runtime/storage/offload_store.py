@@ -27,7 +27,7 @@ from fxzero.runtime.storage.nvme import NvmeTier
 from fxzero.runtime.storage.tier import Pending, StorageTier
 from fxzero.runtime.storage.write_behind import WriteBehind
 
-__all__ = ["OffloadStore"]
+__all__ = ["OffloadStore", "bytes_on_tiers"]
 
 
 def _local_ranks() -> int:
@@ -204,3 +204,25 @@ class OffloadStore:
     def close(self) -> None:
         """Finish the I/O in flight, stop the workers and remove this rank's NVMe files."""
         self._finalizer()
+
+
+def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str]) -> dict[str, int]:
+    """Bytes each offloadable state kind takes on its tier, for one rank (`OffloadStore.reserve`).
+
+    `whole`: units held whole (their parameters are never offloaded); with step_in_backward only
+    those units' gradients are ever stored.
+    """
+    sharded = [lay for lay in layouts if lay.name not in whole]
+    trainable = [lay for lay in layouts if lay.trainable]
+
+    def on_tier(kind: str, units) -> int:
+        placement = offload.placement(kind)
+        return sum(OffloadStore.stored_bytes(placement, lay.shard_numel * lay.itemsize) for lay in units)
+
+    stored_grads = [lay for lay in trainable if lay.name in whole] if offload.step_in_backward else trainable
+    return {
+        "param": on_tier("param", sharded),
+        "grad": on_tier("grad", stored_grads),
+        "exp_avg": on_tier("exp_avg", trainable),
+        "exp_avg_sq": on_tier("exp_avg_sq", trainable),
+    }

@@ -1,0 +1,94 @@
+"""`fxzero.compile`: everything a rank needs before its first step, built once, handed to the Engine.
+
+    engine = fxzero.compile(model, config=fxzero.Config(stage=3))
+
+In order: join the launcher's process group; make this rank's comm (shared memory, the process
+group, or a world of one); resolve the cost model (calibrating this machine once per process);
+plan the unit layouts; reserve room for the offloaded states; materialize this rank's parameter
+storage unit by unit; bind the compiler to all of that. The Engine runs what it is handed and
+compiles a new input signature's program through that function, never importing the compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxzero import cost
+from fxzero.compiler import compile_program, plan_layouts
+from fxzero.config import Config
+from fxzero.config.effects import ineffective_settings, warn_ineffective
+from fxzero.runtime.comm import make_comm
+from fxzero.runtime.engine import Engine
+from fxzero.runtime.host_memory import keep_freed_host_memory
+from fxzero.runtime.materialize import materialize
+from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers
+from fxzero.units import persistent_units
+
+__all__ = ["compile"]
+
+
+def _ensure_process_group() -> None:
+    """Join the launcher's process group (torchrun sets WORLD_SIZE) if the user has not."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def compile(
+    model: nn.Module,
+    config: Optional[Config] = None,
+    *,
+    state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Engine:
+    """Compile `model` for ZeRO training on this process's ranks.
+
+    Args:
+        model: the module; build it under `torch.device("meta")` so no rank ever allocates
+            the full parameters.
+        config: stage, units and optimizer; defaults to `fxzero.Config()` (ZeRO-3, AdamW).
+        state_dict: full initial values (e.g. a checkpoint), loaded unit by unit; without it a
+            meta model is initialized by its modules' own `reset_parameters()`.
+    """
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"config must be a fxzero.Config, got {type(config).__name__}; for a DeepSpeed "
+            "dict use fxzero.Config.from_deepspeed(ds_config)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
+    _ensure_process_group()
+    if config.keep_host_memory and not torch.cuda.is_available():
+        keep_freed_host_memory()
+    comm = make_comm(config.link_emulation, config.transport)
+    seeded = state_dict is None and any(p.is_meta for p in model.parameters())
+    warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
+                                          initialized_from_seed=seeded))
+    cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
+    layouts = plan_layouts(model, config, comm.world_size, cost_model)
+    whole = persistent_units(config, layouts)  # units held whole, not sharded
+    store: Optional[OffloadStore] = None
+    spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
+    if config.offload.tiers():
+        store = OffloadStore(config.offload, comm.rank)
+        store.reserve(bytes_on_tiers(config.offload, layouts, whole))
+        if store.offloaded("param"):
+            spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
+    params, buffers = materialize(
+        model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict, seed=config.seed,
+        spill=spilled, spill_to=lambda unit, shard: store.put("param", unit, shard),
+    )
+    compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
+    return Engine(model, config, comm=comm, cost_model=cost_model, layouts=layouts, persistent=whole,
+                  params=params, buffers=buffers, store=store, offloaded_params=spilled, compiler=compiler)
+
+
+def _compile_for(model, config, world_size, layouts, cost_model, inputs):
+    return compile_program(model, inputs, config, world_size=world_size, layouts=layouts, cost_model=cost_model)

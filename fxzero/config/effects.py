@@ -1,0 +1,67 @@
+"""Settings that have no effect in the configuration they appear in: each is warned about once.
+
+A setting a user chose that changes nothing is a silent surprise: it is named in a
+`warnings.warn` with the reason and the way out, once per process (`warn_ineffective`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from fxzero.config.config import Config
+from fxzero.config.placement import Offload
+
+__all__ = ["IneffectiveSetting", "ineffective_settings", "warn_ineffective"]
+
+_WARNED: set[str] = set()
+
+
+class IneffectiveSetting(UserWarning):
+    """A setting that has no effect in the configuration it appears in."""
+
+
+def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initialized_from_seed: bool) -> list[str]:
+    """One message per setting of `config` that changes nothing here.
+
+    Args:
+        world_size: ranks the model trains on.
+        cuda: whether the ranks compute on CUDA devices.
+        initialized_from_seed: whether the parameters come from the modules' own
+            `reset_parameters()` (a model on the meta device and no state_dict), which is all
+            `Config.seed` seeds.
+    """
+    out = []
+    tiers = config.offload.tiers()
+    prefetch = config.prefetch
+    if config.stage in (1, 2) and config.persist_threshold:
+        out.append(f"Config.persist_threshold={config.persist_threshold} has no effect at stage {config.stage}: "
+                   "every unit is held whole already; it applies at stage=3")
+    if prefetch is not None and prefetch.keep_for_backward:
+        if config.stage in (1, 2):
+            out.append(f"Prefetch(keep_for_backward=True) has no effect at stage {config.stage}: parameters are "
+                       "held whole, never gathered; it applies at stage=3")
+        elif "param" in tiers:
+            out.append("Prefetch(keep_for_backward=True) has no effect with offloaded parameters: the backward "
+                       "gathers again from the shards it updates (the fetched shards are kept instead); leave "
+                       "keep_for_backward unset")
+    if config.keep_host_memory and cuda:
+        out.append("Config.keep_host_memory=True has no effect with CUDA: it keeps freed host memory for the "
+                   "executor's host buffers, which live in device memory here (CUDA caches its own)")
+    if not tiers and config.offload.lookahead != Offload().lookahead:
+        out.append(f"Offload.lookahead={config.offload.lookahead} has no effect: no state is offloaded "
+                   "(set Offload(params=..., optimizer=...))")
+    if world_size == 1 and config.transport != "auto":
+        out.append(f"Config.transport={config.transport!r} has no effect in a world of one: there are no "
+                   "collectives to carry")
+    if config.seed != Config().seed and not initialized_from_seed:
+        out.append(f"Config.seed={config.seed} has no effect: it seeds the modules' own reset_parameters() for a "
+                   "model built on the meta device without a state_dict, and this model's values are given")
+    return out
+
+
+def warn_ineffective(messages: list[str], stacklevel: int = 3) -> None:
+    """Warn once per process for each message."""
+    for message in messages:
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message, IneffectiveSetting, stacklevel=stacklevel)

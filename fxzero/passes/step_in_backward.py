@@ -1,0 +1,159 @@
+"""step_in_backward: update each sharded unit inside the backward, as soon as its gradient is reduced.
+
+`Offload(step_in_backward=True)`, with parameters and optimizer states offloaded: the gradient
+is never written to a tier, the parameter never read a third time, and the update overlaps the
+rest of the backward. Before (backward)::
+
+    f = fetch("u_k", "param", ...); s = wait(f); ag = all_gather(s); w = wait(ag); free(s)
+    ...; g = wait(reduce_scatter(...)); return [..., g, ...]
+
+After::
+
+    f = fetch("u_k", "param", ...); s = wait(f); ag = all_gather(s); w = wait(ag)   # s is kept
+    ...; fm = fetch("u_k", "exp_avg", ...); fv = fetch(...)     # `lookahead` updates ahead
+    ...; g = wait(reduce_scatter(...))
+    adamw(s, g, sm := wait(fm), sv := wait(fv), "u_k")          # in place
+    op, om, ov = offload(s, "param"), offload(sm, "exp_avg"), offload(sv, "exp_avg_sq")
+    ...; t = wait(op); wait(om); wait(ov); free(s); free(sm); free(sv)   # retired as for gradients
+    return [..., t, ...]
+
+A unit on the tier that the backward does not gather (an embedding: no backward op reads its
+weight) gets a fetch of its shard for the update alone, read ahead like its moments. Units
+held whole are left to the step program (`passes/step_program.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.fx as fx
+
+from fxzero.ir.instruction import Instruction
+from fxzero.ir.ops import OPS
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.passes.keep_for_backward import acquired
+from fxzero.passes.runner import Pass, PassContext, PassResult
+from fxzero.passes.streaming import compute_seconds, issue_point, retire_behind
+
+REQUIRES = frozenset({"params_offloaded", "grads_reduced"})
+PROVIDES = frozenset({"updated_in_backward"})
+
+
+def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, optimizer: str, lookahead: int,
+                          cost_model=None) -> PassResult:
+    """Fuse each sharded unit's AdamW update into the backward (see the module doc).
+
+    Args:
+        params, optimizer: the tiers of the parameter shards and of the moments.
+    """
+    graph = gm.graph
+    out = output_node(graph)
+    results = list(out.args[0])
+    # unit -> the backward's fetched parameter shard (read in the backward, or kept from the forward)
+    shard_of = {unit: wait for unit, (_, wait) in acquired(graph, BACKWARD, "fetched").items()}
+    # A unit on the tier that the backward does not gather (an embedding: no backward op reads its
+    # weight) gets a fetch of its shard for the update alone, read ahead like its moments.
+    in_forward = acquired(graph, FORWARD, "fetched")
+    read_for_update: dict[str, fx.Node] = {}
+    writes: list[tuple[fx.Node, list[fx.Node]]] = []
+    fused = []
+    scatters = [n for n in graph.nodes if is_kind(n, "reduce_scatter") and phase(n) == BACKWARD]
+    for pos, r in enumerate(results):
+        if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
+            continue
+        unit = r.meta["fxzero"]["unit"]
+        layout = ctx.layout(unit)
+        if unit not in shard_of and unit not in in_forward or any(u is not out for u in r.users):
+            continue  # a persistent unit (no fetched shard): updated by the step program
+        if unit not in shard_of:
+            with graph.inserting_before(r):  # the fetch moves ahead below, with the moments'
+                fetch_param = graph.call_function(OPS["fetch"], (unit, "param", layout.shard_numel, layout.dtype))
+                shard = graph.call_function(OPS["wait"], (fetch_param,))
+            tag(fetch_param, kind="fetch", unit=unit, phase=BACKWARD, state="param", tier=params)
+            tag(shard, kind="wait", unit=unit, phase=BACKWARD, waits_for=fetch_param.name)
+            read_for_update[unit] = fetch_param
+        else:
+            shard = shard_of[unit]
+        fetch_param = shard.args[0]
+        # The update runs while the next unit's backward computes, not in a burst at the end
+        # (prefetch may have sunk the reduce-scatter's wait there): its wait goes right before
+        # the next reduce-scatter is issued, if it is later than that.
+        later = scatters[scatters.index(r.args[0]) + 1 :]
+        if later:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if order[r] > order[later[0]]:
+                later[0].prepend(r)
+        for free in [u for u in shard.users if is_kind(u, "free")]:
+            graph.erase_node(free)  # the shard lives on until its update
+        moments = []
+        with graph.inserting_after(fetch_param):
+            for state in ("exp_avg_sq", "exp_avg"):  # inserted in reverse: exp_avg comes first
+                f = graph.call_function(OPS["fetch"], (unit, state, layout.shard_numel, layout.dtype))
+                tag(f, kind="fetch", unit=unit, phase=BACKWARD, state=state, tier=optimizer)
+                moments.insert(0, f)
+        done = []
+        first_write = None
+        with graph.inserting_before(r.next):  # everything below, in order, right after g
+            waits = []
+            for f in moments:
+                waits.append(graph.call_function(OPS["wait"], (f,)))
+                tag(waits[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=f.name)
+            update = graph.call_function(OPS["adamw"], (shard, r, waits[0], waits[1], unit))  # in place
+            tag(update, kind="optim_step", unit=unit, phase=BACKWARD)
+            for value, state, tier in ((shard, "param", params), (waits[0], "exp_avg", optimizer),
+                                       (waits[1], "exp_avg_sq", optimizer)):
+                write = graph.call_function(OPS["offload"], (value, unit, state))
+                tag(write, kind="offload", unit=unit, phase=BACKWARD, state=state, tier=tier)
+                first_write = first_write or write
+                with graph.inserting_before(out):
+                    done.append(graph.call_function(OPS["wait"], (write,)))
+                tag(done[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=write.name)
+        # The fetched buffers are released once their new values are on the tier.
+        with graph.inserting_before(out):
+            for buffer in (shard, *waits):
+                done.append(graph.call_function(OPS["free"], (buffer,)))
+                tag(done[-1], kind="free", unit=unit, phase=BACKWARD)
+        results[pos] = done[0]  # the unit's token: its parameter is written back
+        writes.append((first_write, done))
+        fused.append(unit)
+    out.args = (results,)
+    ctx.outputs["updated_in_backward"] = fused
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes.sort(key=lambda w: order[w[0]])
+    retire_behind(writes, lookahead)
+    # The moments are read `lookahead` updates ahead: before the reduce-scatter of the unit
+    # updated that many places earlier (the first ones: before their own reduce-scatter); with a
+    # cost model, one more back where the compute in between would not cover their read (the
+    # last updates come close together: the embedding's backward is short).
+    updates = sorted((n for n in graph.nodes if is_kind(n, "optim_step")), key=order.__getitem__)
+    scatters = [u.args[1].args[0] for u in updates]  # adamw(shard, wait(reduce_scatter), ...)
+    seconds = compute_seconds(graph, {lay.name: lay for lay in ctx.layouts}, cost_model) if cost_model is not None else None
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for j, u in enumerate(updates):
+        back = j - issue_point(j, lookahead)
+        if seconds is not None:
+            layout = ctx.layout(u.args[4])
+            states = 3 if u.args[4] in read_for_update else 2
+            probe = Instruction(name="", kind="fetch", stream="io", tier=optimizer,
+                                bytes=states * layout.shard_numel * layout.itemsize)
+            read_s = cost_model.io_seconds(probe)
+            while back < min(j, lookahead + 1) and sum(
+                    seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
+                back += 1
+        reads = (u.args[2].args[0], u.args[3].args[0])  # adamw(.., wait(fetch m), wait(fetch v))
+        if u.args[4] in read_for_update:
+            reads = (read_for_update[u.args[4]],) + reads
+        for fetch in reads:
+            scatters[j - back].prepend(fetch)
+    return PassResult(gm, changed=bool(fused), summary={"updated_in_backward": fused})
+
+
+def make(*, params: str, optimizer: str, lookahead: int, cost_model=None) -> Pass:
+    return Pass(
+        "step_in_backward",
+        functools.partial(step_in_backward_pass, params=params, optimizer=optimizer, lookahead=lookahead,
+                          cost_model=cost_model),
+        requires=REQUIRES,
+        provides=PROVIDES,
+    )

@@ -1,0 +1,53 @@
+"""The autograd bridge: the forward program as a `torch.autograd.Function`.
+
+[Note: how the programs meet autograd]
+The forward program runs inside a `torch.autograd.Function`, so the user's loss, computed
+eagerly outside the graph, backpropagates into our backward program: `loss.backward()` hands
+the Function the gradients of the model's outputs, and the Function runs the backward program
+with those as its grad_output inputs. The values the backward needs (saved activations) are
+held by the Function's context and released when the backward has run. An empty tensor that
+requires grad (the engine's anchor) is an input, so the outputs have a grad_fn even though no
+parameter is a tensor autograd knows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:  # the engine calls this module; only its type is named here
+    from fxzero.runtime.engine import Engine, Runners
+
+__all__ = ["RunProgram"]
+
+
+class RunProgram(torch.autograd.Function):
+    """See [Note: how the programs meet autograd]."""
+
+    @staticmethod
+    def forward(ctx, engine: "Engine", runners: "Runners", for_backward: bool, anchor: torch.Tensor,
+                *inputs: torch.Tensor):
+        outputs, saved = engine._run_forward(runners, inputs, for_backward)
+        ctx.engine, ctx.runners, ctx.saved = engine, runners, saved
+        sig = runners.compiled.signature
+        ctx.shapes = [(o.shape, o.dtype) for o in outputs]
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, sig.differentiable) if not d])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]) -> Any:
+        if ctx.saved is None:
+            raise RuntimeError(
+                f"[rank {ctx.engine.rank}] backward ran twice through one fxzero forward; "
+                "call forward again for each backward"
+            )
+        sig = ctx.runners.compiled.signature
+        grad_outputs = [
+            g if g is not None else torch.zeros(shape, dtype=dtype)
+            for g, (shape, dtype), d in zip(grads, ctx.shapes, sig.differentiable)
+            if d
+        ]
+        saved, ctx.saved = ctx.saved, None
+        ctx.engine._run_backward(ctx.runners, saved, grad_outputs)
+        return (None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
