@@ -83,13 +83,26 @@ def trace_options(fn):
 
 
 def make_config(config_path: Optional[str], stage: Optional[str]):
-    """A fxzero.Config from a DeepSpeed JSON file and/or --stage."""
+    """A fxzero.Config from a DeepSpeed JSON file and/or --stage.
+
+    `--stage` replaces the file's zero_optimization.stage before the file is read, so the keys
+    that depend on the stage (the persistence threshold applies at stage 3) follow it.
+    """
+    import json
+
     from fxzero.config import Config
 
-    config = Config.from_deepspeed(config_path) if config_path else Config()
-    if stage is not None:
-        config = dataclasses.replace(config, stage=int(stage))
-    return config
+    if config_path is None:
+        return Config() if stage is None else Config(stage=int(stage))
+    if stage is None:
+        return Config.from_deepspeed(config_path)
+    with open(config_path) as f:
+        ds = json.load(f)
+    if not isinstance(ds, dict):
+        raise ValueError(f"{config_path}: a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+    zero = dict(ds.get("zero_optimization") or {})
+    zero["stage"] = int(stage)
+    return Config.from_deepspeed({**ds, "zero_optimization": zero})
 
 
 def static_cost_model(config):
@@ -151,6 +164,10 @@ def compile_source(spec: str, *, world: Optional[int], stage: Optional[str], con
         model = build_model(model_spec)
         xs = example_inputs(model, input_specs, what=f"MODEL {spec!r}")
         recorded: Sequence[InputSpec] = input_specs or [InputSpec.of(x) for x in xs]
+    from fxzero.config.effects import ineffective_settings, warn_ineffective
+
+    warn_ineffective(ineffective_settings(config, world_size=world or DEFAULT_WORLD, cuda=False,
+                                          initialized_from_seed=True))
     with reports_errors(f"compiling {spec}"):
         start = time.perf_counter()
         compiled = fxzero.compile_program(model, xs, config, world_size=world or DEFAULT_WORLD,

@@ -67,13 +67,23 @@ class _Progress:
                 click.echo(_step_line(self.last, self.steps))
 
 
+MAX_COLLECTIVE_TIMEOUT_S = 1e7
+"""About 116 days: any longer is waiting forever (and overflows the timeout's type)."""
+
+
+def _check_timeout(ctx, param, value: float) -> float:
+    if not 0 < value <= MAX_COLLECTIVE_TIMEOUT_S:  # also rejects nan
+        raise click.BadParameter(f"must be a number of seconds > 0 and <= {MAX_COLLECTIVE_TIMEOUT_S:g}, got {value:g}")
+    return value
+
+
 @click.command("train")
 @click.argument("model")
 @click.option("--ranks", type=click.IntRange(min=1), default=2, show_default=True, help="Local ranks (processes).")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Training steps.")
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Micro-batch per rank (default: the example inputs' first dimension).")
-@click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None, help="ZeRO stage (default 3).")
+@click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None, help="ZeRO stage (default 3, or the --config file's).")
 @click.option("--lr", type=float, default=None, help="AdamW learning rate (default: the config's, 1e-3).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A DeepSpeed-style JSON config.")
@@ -81,8 +91,12 @@ class _Progress:
               help="Input spec when the model has no example_inputs(), e.g. 'int64[8,64]:0..1000'.")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Artifact directory to write (default artifacts/<MODEL>-train).")
+@click.option("--collective-timeout", "collective_timeout", type=float, callback=_check_timeout,
+              default=300.0, show_default=True, metavar="SECONDS",
+              help="How long a collective waits for the other ranks before the run fails (a rank that "
+                   "died or hangs), instead of waiting forever.")
 @click.pass_context
-def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, inputs, out_dir):
+def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, inputs, out_dir, collective_timeout):
     """Train MODEL on --ranks local CPU ranks (torchrun) on a synthetic task.
 
     Shows loss, step time and per-rank memory (model states + peak gathered) as it goes, and
@@ -96,7 +110,7 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
         build_model(model)
         parse_inputs(inputs)
     out_dir = out_dir or os.path.join("artifacts", slug(model) + "-train")
-    options = ["--steps", str(steps), "--out", out_dir]
+    options = ["--steps", str(steps), "--out", out_dir, "--collective-timeout", repr(float(collective_timeout))]
     for flag, value in (("--batch", batch), ("--stage", stage), ("--lr", lr), ("--config", config_path)):
         if value is not None:
             options += [flag, str(value)]
@@ -145,7 +159,10 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
         if ctx.find_root().params.get("traceback"):
             click.echo("".join(stderr_lines), err=True)
         if errors:
-            first = min(errors, key=lambda e: e["rank"])
+            # The cause first: a rank's own error, then a collective that timed out, and only then
+            # a rank whose collective failed because a peer had gone (after that peer's error).
+            order = {"": 0, "timeout": 1, "peer_gone": 2}
+            first = min(errors, key=lambda e: (order.get(e.get("collective", ""), 0), e["rank"]))
             raise CLIError(f"training failed on rank {first['rank']}: {first['message']}")
         tail = [line.strip() for line in stderr_lines if line.strip()]
         raise CLIError(f"torchrun exited with code {rc}: {tail[-1] if tail else 'no output'}")

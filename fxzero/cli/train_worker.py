@@ -17,11 +17,17 @@ and every rank's timeline (timeline.json) into --out.
 
 All times are `time.perf_counter()` seconds, the clock the engine records with; the ranks run
 on one machine (torchrun --standalone), where that clock is shared by all processes.
+
+Every collective has a timeout (--collective-timeout seconds, the process group's and that of
+every group made after it, such as the shared-memory transport's barriers): a rank that dies or
+hangs makes the others fail in their next collective instead of waiting forever, each with the
+usual one-line `error` event, "[rank N] a collective did not complete within ...".
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import resource
@@ -35,10 +41,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 TASK_SEED = 1234
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""Seconds a collective may wait for the other ranks (`fxzero train --collective-timeout`)."""
 
 
 def _emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -51,6 +66,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--config", default=None)
     p.add_argument("--inputs", action="append", default=[])
     p.add_argument("--out", required=True)
+    p.add_argument("--collective-timeout", type=_positive_seconds, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                   help="seconds a collective may wait for the other ranks")
     return p.parse_args(argv)
 
 
@@ -167,16 +184,59 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     art = record(engine.program, model=args.model, inputs=recorded_specs, config=config,
                  seconds=first_call_seconds, command="train")
     art.run = {"task": task.name if task else None, "steps": steps, "spans": [s for r, _ in per_rank for s in r],
-               "comm_last_step": engine.comm_report()}
+               "comm_last_step": engine.comm_report(), "collective_timeout_s": args.collective_timeout}
     art.timeline = {"clock": "time.perf_counter", "step": args.steps, "ranks": [t for _, t in per_rank]}
     art.write(args.out)
     _emit("done", out=args.out)
 
 
+# What gloo says (through torch.distributed or the shared-memory transport, which wraps it)
+# when a peer does not answer within the timeout, or has gone (a crashed rank).
+_TIMED_OUT = ("timed out",)
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def collective_failure(e: BaseException) -> str:
+    """"timeout" or "peer_gone" for a collective that failed because of another rank, else ""."""
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if not isinstance(e, RuntimeError):  # torch.distributed's errors are RuntimeErrors
+        return ""
+    lower = str(e).lower()
+    if any(w in lower for w in _TIMED_OUT):
+        return "timeout"
+    if any(w in lower for w in _PEER_GONE):
+        return "peer_gone"
+    return ""
+
+
+def error_message(e: BaseException, rank: int, timeout_s: float) -> str:
+    """The `error` event's message: one line (the rest goes to stderr with the traceback), and
+    for a collective that failed because of another rank, which rank saw it and why."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    failure = collective_failure(e)
+    if failure == "timeout":
+        return (f"[rank {rank}] a collective did not complete within --collective-timeout {timeout_s:g} s "
+                f"(another rank died or hangs): {text}")
+    if failure == "peer_gone":
+        return f"[rank {rank}] a collective failed because another rank has gone (see its error): {text}"
+    return text
+
+
+def _init_process_group(timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Groups made later without a timeout of their own (the shared-memory transport's barrier
+    # group, fxzero/runtime/comm/shm.py) take torch's default, 30 minutes for gloo, not the
+    # default group's: make that default this timeout too, in this process (a worker's own).
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", timeout=timeout)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parse(argv)
     torch.set_num_threads(1)  # one core per rank: the ranks share the machine's cores
-    dist.init_process_group("gloo")
+    _init_process_group(args.collective_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         train(args, rank, world)
@@ -185,7 +245,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         # abort ("terminate called without an active exception"), failing a finished run.
         dist.barrier()
     except Exception as e:  # noqa: BLE001 - every failure goes to the launcher as one line
-        _emit("error", rank=rank, message=f"{type(e).__name__}: {e}")
+        _emit("error", rank=rank, message=error_message(e, rank, args.collective_timeout),
+              collective=collective_failure(e))
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)

@@ -44,7 +44,7 @@ class Nvme:
     direct: Union[bool, Literal["auto"]] = "auto"
     """O_DIRECT: "auto" falls back to buffered I/O where the filesystem refuses it."""
     write_behind_bytes: int = 256 << 20
-    """Memory for write-behind (fxzero/runtime/write_behind.py): a write that fits is copied
+    """Memory for write-behind (fxzero/runtime/storage/write_behind.py): a write that fits is copied
     here and the program goes on without waiting for the disk; a parameter shard stays until it
     is read (the next forward's first reads are the backward's last writes), so that read needs
     no disk. A read served from memory does not look at the file: a file changed underneath is

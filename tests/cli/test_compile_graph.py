@@ -1,10 +1,11 @@
-"""`fxzero compile` and `fxzero graph`: artifacts on disk and real rendering with `dot`."""
+"""`fxzero compile` and `fxzero graph`: artifacts on disk, --config and --inputs, and real rendering with `dot`."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import textwrap
 
 import pytest
 
@@ -130,3 +131,99 @@ def test_error_unknown_unit_and_refuses_foreign_output_dir(tiny_dir, runner, tmp
     _one_line_error(invoke(runner, "graph", tiny_dir, "--unit", "blocks.9", ok=False), "no unit 'blocks.9'", "blocks.1")
     (tmp_path / "keep.txt").write_text("mine")
     _one_line_error(invoke(runner, "compile", "cnn", "-o", str(tmp_path), ok=False), "refusing to write")
+
+
+# -- --config and --inputs ----------------------------------------------------------------------
+
+
+def _ds_config(tmp_path, **zero) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.8, 0.9]}},
+                                "zero_optimization": zero}))
+    return str(path)
+
+
+def _gathered_units(schedule, program: str) -> set[str]:
+    return {i.unit for i in schedule.program(program).instructions if i.kind == "all_gather"}
+
+
+def test_compile_reads_stage_and_persistence_threshold_from_config(tiny_dir, runner, tmp_path):
+    # TINY's units: root 3584 parameters, blocks.0 and blocks.1 12608 each, root:tail 64. A
+    # threshold of 4000 keeps root and root:tail gathered for the whole step.
+    config = _ds_config(tmp_path, stage=3, stage3_param_persistence_threshold=4000)
+    out = str(tmp_path / "art")
+    result = invoke(runner, "compile", TINY, "--world", str(WORLD), "--config", config, "-o", out)
+    assert f"ZeRO-3 on {WORLD} ranks" in result.output
+    art = Artifacts.read(out)
+    default = Artifacts.read(tiny_dir)
+    assert default.schedule.persistent == () and _gathered_units(default.schedule, "forward") == set(default.units)
+    assert art.schedule.stage == 3 and sorted(art.schedule.persistent) == ["root", "root:tail"]
+    # the persistent units are not gathered per use: only the blocks are, in both programs
+    assert _gathered_units(art.schedule, "forward") == {"blocks.0", "blocks.1"}
+    assert _gathered_units(art.schedule, "backward") <= {"blocks.0", "blocks.1"}
+    recorded = art.manifest["config"]
+    assert recorded["persist_threshold"] == 4000 and recorded["stage"] == 3
+    assert recorded["optimizer"]["lr"] == 5e-4 and recorded["optimizer"]["betas"] == [0.8, 0.9]
+
+
+@pytest.mark.parametrize("file_stage, flag, want", [(2, None, 2), (2, "3", 3), (3, "1", 1)])
+def test_stage_flag_overrides_the_config_file(runner, tmp_path, file_stage, flag, want):
+    config = _ds_config(tmp_path, stage=file_stage)
+    out = str(tmp_path / "art")
+    args = ["compile", "cnn", "--world", "2", "--config", config, "-o", out] + (["--stage", flag] if flag else [])
+    assert f"ZeRO-{want} on 2 ranks" in invoke(runner, *args).output
+    art = Artifacts.read(out)
+    assert art.schedule.stage == want and art.manifest["config"]["stage"] == want
+    # stages 1 and 2 hold every unit whole; stage 3 (threshold 0) none
+    assert len(art.schedule.persistent) == (0 if want == 3 else len(art.units))
+    assert art.manifest["config"]["optimizer"]["lr"] == 5e-4  # the rest of the file still applies
+
+
+def test_config_file_errors_are_one_line(runner, tmp_path):
+    _one_line_error(invoke(runner, "compile", "cnn", "--config", str(tmp_path / "missing.json"), ok=False),
+                    "missing.json")
+    bad = tmp_path / "sgd.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "SGD"}}))
+    _one_line_error(invoke(runner, "compile", "cnn", "--config", str(bad), ok=False),
+                    "optimizer type 'SGD' is not supported")
+
+
+def _forward_output(schedule):
+    forward = schedule.program("forward")
+    by_name = {i.name: i for i in forward.instructions}
+    return by_name[forward.outputs[0]]
+
+
+def test_inputs_set_the_traced_shapes(tiny_dir, runner, tmp_path):
+    out = str(tmp_path / "art")
+    invoke(runner, "compile", TINY, "--world", str(WORLD), "--inputs", "int64[3,8]:0..96", "-o", out)
+    art = Artifacts.read(out)
+    assert art.manifest["inputs"] == [{"dtype": "int64", "shape": [3, 8], "low": 0, "high": 96}]
+    inputs = [n for n in art.graph["nodes"] if n["kind"] == "input"]
+    assert [(n["shape"], n["dtype"]) for n in inputs] == [([3, 8], "int64")]
+    # the model's output, the logits (B, T, vocab 96), as the schedule has it
+    logits = _forward_output(art.schedule)
+    assert (logits.numel, logits.bytes) == (3 * 8 * 96, 3 * 8 * 96 * 4)
+    # the default is gpt-tiny's own example_inputs(), (2, 16)
+    default = Artifacts.read(tiny_dir)
+    assert default.manifest["inputs"][0]["shape"] == [2, 16]
+    assert _forward_output(default.schedule).numel == 2 * 16 * 96
+
+
+def test_inputs_for_a_model_without_example_inputs(runner, tmp_path):
+    path = tmp_path / "net.py"
+    path.write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(6, 4), nn.Linear(4, 2)])
+            def forward(self, x):
+                return self.layers[1](self.layers[0](x).relu())
+    """))
+    _one_line_error(invoke(runner, "compile", f"{path}:Net", ok=False), "no example_inputs() method")
+    out = str(tmp_path / "art")
+    invoke(runner, "compile", f"{path}:Net", "--world", "2", "--inputs", "float32[5,6]", "-o", out)
+    art = Artifacts.read(out)
+    assert art.manifest["inputs"] == [{"dtype": "float32", "shape": [5, 6], "low": None, "high": None}]
+    assert _forward_output(art.schedule).numel == 5 * 2

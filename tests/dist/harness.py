@@ -12,6 +12,10 @@ processes and returns their results in rank order. It never hangs and never hide
 A world of one runs `fn` in one spawned process with no process group at all, which is how a
 single-process user runs fxzero, so that path gets tested as it is used.
 
+The tests' shared training problem lives here too: `ADAMW`, the optimizer settings every parity
+test uses (for `torch.optim.AdamW` and `fxzero.AdamW` alike), and `train`, the one loop that
+drives an engine over global batches.
+
 [Note: results by file]
 A multiprocessing Queue would need the parent to drain it while children exit (a child blocks
 at exit until its queued bytes are read), and torch's Queue pickler shares tensors through file
@@ -32,12 +36,18 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks", "free_port"]
+from tests.dist.reference import rank_slice
+
+__all__ = ["ADAMW", "free_port", "run_ranks", "train"]
+
+ADAMW: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+"""AdamW settings of the parity tests: keyword arguments of `torch.optim.AdamW` (the eager
+references) and of `fxzero.AdamW` (the engine) alike."""
 
 # How long a child gets to die after SIGTERM before it is sent SIGKILL.
 _TERMINATE_GRACE_S = 2.0
@@ -228,3 +238,50 @@ def _failure_message(
         if report is not None and report[0] == "error":
             failures.append(f"--- rank {rank} of {len(procs)} failed:\n{report[1]}")
     return f"{name}: {len(failures)} rank(s) failed\n" + "\n".join(failures)
+
+
+def train(
+    engine: Any,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rank: int,
+    world_size: int,
+    *,
+    mean_over_ranks: bool = False,
+    after_backward: Optional[Callable[[int], None]] = None,
+    after_step: Optional[Callable[[int], None]] = None,
+) -> list[float]:
+    """Train `engine` one step per global batch, on this rank's rows of each (`rank_slice`).
+
+    Each step is the engine's loop: `loss = loss_fn(engine(x), y); engine.backward(loss);
+    engine.step()`.
+
+    Args:
+        engine: What `fxzero.compile` returned.
+        batches: Global batches (x, y), one per step.
+        loss_fn: `loss_fn(output, y)`, the mean loss of this rank's micro-batch.
+        rank, world_size: This rank and the number of ranks.
+        mean_over_ranks: Return the mean over ranks of each step's local loss (a collective:
+            every rank must ask for it). With equal micro-batches and a model without buffers
+            that is the loss of one model over the whole global batch.
+        after_backward: Called with the step's index after its backward, before its step.
+        after_step: Called with the step's index after its step.
+
+    Returns:
+        Per step: this rank's loss, or the mean over ranks with `mean_over_ranks`.
+    """
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = loss_fn(engine(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
+        engine.backward(loss)
+        if after_backward is not None:
+            after_backward(i)
+        engine.step()
+        if after_step is not None:
+            after_step(i)
+        losses.append(loss.detach().reshape(()).cpu().clone())
+    stacked = torch.stack(losses) if losses else torch.zeros(0)
+    if mean_over_ranks and world_size > 1:
+        dist.all_reduce(stacked)
+        stacked /= world_size
+    return stacked.tolist()

@@ -22,15 +22,72 @@ import torch.nn.functional as F
 from fxzero.zoo import CNNConfig, GPTConfig
 
 __all__ = [
+    "classification_loss",
     "clone_state_dict",
+    "default_unit_numels",
     "eager_cnn_reference",
     "eager_gpt_reference",
+    "lm_loss",
     "make_cnn_batches",
     "make_gpt_batches",
+    "padded_numel",
     "rank_slice",
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits (B, T, V) against token ids y (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def classification_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits (B, K) against class labels y (B,)."""
+    return F.cross_entropy(logits, y)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def default_unit_numels(model: nn.Module) -> dict[str, int]:
+    """Parameters per unit under the default `fxzero.UnitsPolicy`, from the model alone.
+
+    Written from the policy's documented rule, not from fxzero's code: every item that holds
+    parameters of the outermost `nn.ModuleList` / `nn.Sequential` containers is a unit (named by
+    its FQN); the other unique parameters (`named_parameters(remove_duplicate=True)`, so a tied
+    head counts once) form "root" if registered before the last unit's parameters and
+    "root:tail" if after; when nothing precedes the units, the tail is the root. Every
+    parameter must be trainable (frozen ones would form `:frozen` units of their own).
+    """
+    blocks: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and any(_has_parameters(c) for _, c in children):
+            blocks.extend(prefix + name for name, c in children if _has_parameters(c))
+            return
+        for name, child in children:
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    params = list(model.named_parameters(remove_duplicate=True))
+    assert all(p.requires_grad for _, p in params), "default_unit_numels handles trainable models only"
+    owners = [next((b for b in blocks if fqn.startswith(b + ".")), None) for fqn, _ in params]
+    last_block = max((i for i, owner in enumerate(owners) if owner is not None), default=-1)
+    numels: dict[str, int] = {}
+    for i, ((_, p), owner) in enumerate(zip(params, owners)):
+        unit = owner or ("root:tail" if 0 <= last_block < i else "root")
+        numels[unit] = numels.get(unit, 0) + p.numel()
+    if "root" not in numels and "root:tail" in numels:
+        numels["root"] = numels.pop("root:tail")
+    return numels
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """A unit's flat length: `numel` rounded up to a multiple of the world size (ceil division)."""
+    return -(-numel // world_size) * world_size
 
 
 def make_gpt_batches(cfg: GPTConfig, steps: int, global_batch: int, seed: int) -> list[Batch]:
@@ -126,8 +183,7 @@ def eager_gpt_reference(
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs)
     losses = []
     for x, y in batches:
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -167,8 +223,7 @@ def eager_cnn_reference(
     for x, y in batches:
         step_losses = []
         for rank, model in enumerate(replicas):
-            logits = model(rank_slice(x, rank, world_size))
-            loss = F.cross_entropy(logits, rank_slice(y, rank, world_size))
+            loss = classification_loss(model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size))
             loss.backward()
             step_losses.append(loss.item())
         for i in range(len(params[0])):

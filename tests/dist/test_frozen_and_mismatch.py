@@ -4,6 +4,9 @@ Frozen parameters (requires_grad=False) are gathered like any other but never re
 no optimizer state; a unit that mixes both is split into `<unit>` and `<unit>:frozen`.
 Ranks that compiled different programs fail at start-up with a clear error instead of hanging
 in a collective whose partner never comes.
+
+Every engine pins `cost_model=None` (native reduce-scatters), so no timing measurement decides
+how gradients are reduced.
 """
 
 from __future__ import annotations
@@ -12,14 +15,12 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fxzero
 from fxzero import zoo
-from tests.dist.harness import run_ranks
-from tests.dist.reference import eager_gpt_reference, make_gpt_batches, rank_slice
+from tests.dist.harness import ADAMW, run_ranks, train
+from tests.dist.reference import eager_gpt_reference, lm_loss, make_gpt_batches
 
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 FROZEN = ("wpe.weight", "blocks.0.ln_1.weight", "blocks.0.ln_1.bias")
 
 
@@ -45,17 +46,15 @@ def _batches():
 def _train_frozen(rank: int, world_size: int, stage: int, batches, initial):
     with torch.device("meta"):
         model = _frozen_gpt()
-    engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW)), state_dict=initial)
-    losses, comm = [], None
-    for x, y in batches:
-        logits = engine(rank_slice(x, rank, world_size))
-        loss = F.cross_entropy(logits.flatten(0, 1), rank_slice(y, rank, world_size).flatten())
-        engine.backward(loss)
-        engine.step()
-        comm = engine.comm_report(reset=True)
-        t = loss.detach().clone()
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world_size)
+    config = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), cost_model=None)
+    engine = fxzero.compile(model, config, state_dict=initial)
+    comm = {}
+
+    def last_step_comm(i: int) -> None:
+        comm.clear()
+        comm.update(engine.comm_report(reset=True))
+
+    losses = train(engine, batches, lm_loss, rank, world_size, mean_over_ranks=True, after_step=last_step_comm)
     units = {u.name: (u.padded_numel, u.trainable) for u in engine.layouts}
     return {
         "losses": losses,
@@ -111,7 +110,7 @@ def test_frozen_units_are_split_gathered_never_reduced(frozen_run):
 def _mismatched(rank: int, world_size: int):
     with torch.device("meta"):
         model = zoo.build("gpt-tiny", n_blocks=4 + rank)  # rank 1 has one block more
-    engine = fxzero.compile(model, fxzero.Config(stage=3))
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None))
     engine(model.example_inputs(batch=2)[0])
 
 

@@ -80,11 +80,9 @@ def test_exception_in_a_rank_surfaces_with_its_traceback():
 
 
 def test_a_rank_past_the_timeout_is_killed_and_reported():
-    start = time.monotonic()
     # Rank 0 may also still be starting on a loaded machine, hence the optional "0, ".
     with pytest.raises(AssertionError, match=r"timed out after 5s .* running \[(0, )?1\] were killed"):
         run_ranks(_sleep_in_rank_1, 2, timeout_s=5)
-    assert time.monotonic() - start < 30, "the harness must not wait for the sleeping rank"
     assert not multiprocessing.active_children(), "every rank must be dead when run_ranks raises"
 
 

@@ -5,41 +5,50 @@ stage 1: 8*Phi + 8*Phi/N, stage 2: 4*Phi + 12*Phi/N, stage 3: 16*Phi/N; elements
 per step: 2*Phi (stages 1-2: reduce-scatter + re-gather), 3*Phi (stage 3: gather in forward,
 gather in backward, reduce-scatter). "Up to padding": each unit is padded to a multiple of N,
 so the exact figures use the padded size P = sum of padded unit sizes (Phi <= P < Phi + N*units).
+P is computed from the model alone (`reference.default_unit_numels`: its parameters grouped as
+the default UnitsPolicy groups them, each unit rounded up to a multiple of N), never from the
+engine's own layouts; the test model's widths are odd so that every unit needs padding on 4
+ranks (a mis-padded unit changes P).
 
-One spawn trains every stage; the measurement is taken after the second backward, when the
+Every run pins `cost_model=None` (native reduce-scatters), so nothing depends on a timing
+measurement. One spawn trains every stage; the measurement is taken after the second backward, when the
 optimizer states exist and the gradients have not yet been consumed by step().
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fxzero
 from fxzero import zoo
-from tests.dist.harness import run_ranks
-from tests.dist.reference import eager_gpt_reference, make_gpt_batches, rank_slice
+from tests.dist.harness import run_ranks, train
+from tests.dist.reference import default_unit_numels, eager_gpt_reference, lm_loss, make_gpt_batches, padded_numel
 
 WORLD = 4
 STAGES = (1, 2, 3)
 # Stage 3 is measured as issue-before-use (the two-largest-units bound) and with prefetch.
 CONFIGS = {
-    1: fxzero.Config(stage=1),
-    2: fxzero.Config(stage=2),
-    3: fxzero.Config(stage=3, prefetch=None),
-    "3+prefetch": fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False)),
-    "3+keep": fxzero.Config(stage=3),  # the default: units the backward needs first kept from the forward
+    1: fxzero.Config(stage=1, cost_model=None),
+    2: fxzero.Config(stage=2, cost_model=None),
+    3: fxzero.Config(stage=3, prefetch=None, cost_model=None),
+    "3+prefetch": fxzero.Config(stage=3, prefetch=fxzero.Prefetch(keep_for_backward=False), cost_model=None),
+    # The default prefetch: units the backward needs first kept from the forward.
+    "3+keep": fxzero.Config(stage=3, cost_model=None),
 }
+# gpt-tiny with odd widths: on 4 ranks the root (3,729 parameters), the blocks (13,398) and the
+# tail (66) all need padding; with the zoo's even widths no unit would.
+SHAPE = dict(vocab_size=97, d_model=33, n_heads=3)
 # A large eps makes AdamW's update depend on the gradient's size, so a wrongly scaled
 # reduction (a sum instead of an average) shows in the parameters, not only in their signs.
 SCALE_SENSITIVE = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-1, weight_decay=0.0)
 
 
 def _gpt_tiny():
-    return zoo.build("gpt-tiny")
+    return zoo.build("gpt-tiny", **SHAPE)
 
 
 def _measure(rank: int, world_size: int, batches, initial) -> dict:
@@ -48,14 +57,14 @@ def _measure(rank: int, world_size: int, batches, initial) -> dict:
         with torch.device("meta"):
             model = _gpt_tiny()
         engine = fxzero.compile(model, config)
-        comm_per_step, memory = [], None
-        for i, (x, y) in enumerate(batches[:3]):
-            logits = engine(rank_slice(x, rank, world_size))
-            engine.backward(F.cross_entropy(logits.flatten(0, 1), rank_slice(y, rank, world_size).flatten()))
-            if i == 1:
-                memory = engine.memory_report()
-            engine.step()
-            comm_per_step.append(engine.comm_report(reset=True))
+        comm_per_step, memory = [], {}
+
+        def measure_memory(i: int) -> None:
+            if i == 1:  # optimizer states exist, gradients not yet consumed by step()
+                memory.update(engine.memory_report())
+
+        train(engine, batches[:3], lm_loss, rank, world_size, after_backward=measure_memory,
+              after_step=lambda i: comm_per_step.append(engine.comm_report(reset=True)))
         units = [(u.name, u.numel, u.padded_numel, u.trainable) for u in engine.layouts]
         out[key] = {
             "memory": memory,
@@ -71,12 +80,10 @@ def _measure(rank: int, world_size: int, batches, initial) -> dict:
     with torch.device("meta"):
         model = _gpt_tiny()
     engine = fxzero.compile(
-        model, fxzero.Config(stage=3, optimizer=fxzero.AdamW(**SCALE_SENSITIVE)), state_dict=initial
+        model, fxzero.Config(stage=3, optimizer=fxzero.AdamW(**SCALE_SENSITIVE), cost_model=None),
+        state_dict=initial,
     )
-    for x, y in batches[:3]:
-        logits = engine(rank_slice(x, rank, world_size))
-        engine.backward(F.cross_entropy(logits.flatten(0, 1), rank_slice(y, rank, world_size).flatten()))
-        engine.step()
+    train(engine, batches[:3], lm_loss, rank, world_size)
     state = engine.full_state_dict()  # a collective: every rank calls it
     out["scale_state"] = state if rank == 0 else None
     return out
@@ -90,7 +97,33 @@ def _initial() -> dict[str, torch.Tensor]:
 
 @functools.cache
 def _batches():
-    return make_gpt_batches(zoo.GPT_SIZES["tiny"], steps=3, global_batch=8, seed=3)
+    return make_gpt_batches(dataclasses.replace(zoo.GPT_SIZES["tiny"], **SHAPE), steps=3, global_batch=8, seed=3)
+
+
+@functools.cache
+def _padded_units() -> dict[str, int]:
+    """Each default unit's size from the model's parameter shapes, rounded up to a multiple of
+    the world size."""
+    with torch.device("meta"):
+        units = default_unit_numels(_gpt_tiny())
+    return {name: padded_numel(n, WORLD) for name, n in units.items()}
+
+
+@functools.cache
+def _model_numels() -> tuple[int, int]:
+    """(Phi, P) from the model's parameter shapes: its unique parameters, and their padded sum."""
+    with torch.device("meta"):
+        phi = sum(default_unit_numels(_gpt_tiny()).values())
+    return phi, sum(_padded_units().values())
+
+
+def test_the_model_needs_padding():
+    phi, p = _model_numels()
+    with torch.device("meta"):
+        model = _gpt_tiny()
+    assert phi == sum(t.numel() for t in model.parameters()), "tied parameters count once"
+    assert p > phi, "the memory and traffic figures below would not see the padding"
+    assert all(n % WORLD for n in default_unit_numels(model).values()), "every unit needs padding"
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +131,16 @@ def runs():
     return run_ranks(_measure, WORLD, _batches(), _initial(), timeout_s=600)
 
 
-def _padded(run) -> int:
-    return sum(padded for _, _, padded, _ in run["units"])
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_state_bytes_follow_zero_arithmetic(runs, stage):
     n = WORLD
+    phi, p = _model_numels()
     for rank in range(n):
         run = runs[rank][stage]
-        phi, p, mem = run["phi"], _padded(run), run["memory"]
+        mem = run["memory"]
+        assert run["phi"] == phi, f"rank {rank}: engine.num_params {run['phi']} != the model's {phi}"
+        layouts = {name: padded for name, _, padded, _ in run["units"]}
+        assert layouts == _padded_units(), f"rank {rank}: the engine's units {layouts} != the model's"
         expected = {
             1: (4 * p, 4 * p, 8 * p // n),
             2: (4 * p, 4 * p // n, 8 * p // n),
@@ -115,6 +148,10 @@ def test_model_state_bytes_follow_zero_arithmetic(runs, stage):
         }[stage]
         got = (mem["param_shards"], mem["grad_shards"], mem["optimizer_states"])
         assert got == expected, f"rank {rank} stage {stage}: (param, grad, optim) bytes {got} != {expected}"
+        assert mem["model_states"] == sum(expected), f"rank {rank} stage {stage}: {mem}"
+        # Units held whole: every unit at stages 1-2, none at stage 3 without a threshold.
+        assert mem["persistent_params"] == (4 * p if stage in (1, 2) else 0), f"rank {rank} stage {stage}: {mem}"
+        assert mem["buffers"] == 0, "the GPT has no buffers"
         formula = {1: 8 * phi + 8 * phi / n, 2: 4 * phi + 12 * phi / n, 3: 16 * phi / n}[stage]
         padding_slack = 16 * (p - phi)
         assert abs(mem["model_states"] - formula) <= padding_slack, (
@@ -126,7 +163,7 @@ def test_model_state_bytes_follow_zero_arithmetic(runs, stage):
 def test_stage3_gathered_peak_bounded_by_two_largest_units(runs):
     for rank in range(WORLD):
         run = runs[rank][3]
-        two_largest = sorted((padded * 4 for _, _, padded, _ in run["units"]), reverse=True)[:2]
+        two_largest = sorted((padded * 4 for padded in _padded_units().values()), reverse=True)[:2]
         peak = run["memory"]["gathered_peak"]
         assert 0 < peak <= sum(two_largest), f"rank {rank}: gathered peak {peak} B > two largest units {two_largest}"
     for stage in (1, 2):
@@ -150,12 +187,13 @@ def test_prefetch_keeps_traffic(runs):
 def test_units_kept_for_the_backward_are_gathered_once(runs):
     for rank in range(WORLD):
         run = runs[rank]["3+keep"]
-        padded = {name: n for name, _, n, _ in run["units"]}
+        padded = _padded_units()
+        p = _model_numels()[1]
         assert run["kept"], "the default prefetch keeps the units the backward needs first"
         kept = sum(padded[u] for u in run["kept"])
         for report in run["comm"]:
-            assert report["all_gather"]["elements"] == 2 * _padded(run) - kept
-            assert report["reduce_scatter"]["elements"] == _padded(run)
+            assert report["all_gather"]["elements"] == 2 * p - kept
+            assert report["reduce_scatter"]["elements"] == p
         # Between the forward and the backward the kept buffers are alive: within the budget,
         # and the runtime's peak is the schedule's.
         assert run["memory"]["gathered_peak"] == run["schedule_peak"] <= run["budget"]
@@ -165,7 +203,7 @@ def test_units_kept_for_the_backward_are_gathered_once(runs):
 def test_traffic_per_step(runs, stage):
     for rank in range(WORLD):
         run = runs[rank][stage]
-        phi, p = run["phi"], _padded(run)
+        phi, p = _model_numels()
         for step, report in enumerate(run["comm"]):
             elements = sum(kind["elements"] for kind in report.values())
             factor = 3 if stage == 3 else 2

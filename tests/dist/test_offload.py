@@ -21,14 +21,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fxzero
 from fxzero import zoo
-from tests.dist.harness import run_ranks
-from tests.dist.reference import clone_state_dict, make_gpt_batches, rank_slice
+from tests.dist.harness import ADAMW, run_ranks, train
+from tests.dist.reference import clone_state_dict, lm_loss, make_gpt_batches
 
-ADAMW = fxzero.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS = 10
 GLOBAL_BATCH = 8
 
@@ -84,18 +82,12 @@ def _train(rank: int, world: int, name: str, nvme_dir: str, states, batches) -> 
     # gpt-tiny's root unit (3,648 parameters) stays whole under this threshold: its parameters
     # remain resident while its optimizer states are offloaded.
     threshold = 5000 if "persistent-root" in name else 0
-    cfg = fxzero.Config(stage=stage, optimizer=ADAMW, offload=offload(nvme_dir), cost_model=None,
+    cfg = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), offload=offload(nvme_dir), cost_model=None,
                         persist_threshold=threshold)
     with torch.device("meta"):
         model = zoo.build("gpt-tiny", tie_head=not untied)
     engine = fxzero.compile(model, cfg, state_dict=states[untied])
-    losses = []
-    for x, y in batches:
-        logits = engine(rank_slice(x, rank, world))
-        loss = F.cross_entropy(logits.flatten(0, 1), rank_slice(y, rank, world).flatten())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train(engine, batches, lm_loss, rank, world)
     memory = engine.memory_report()
     io = engine.io_report()
     full = engine.full_state_dict()

@@ -10,10 +10,17 @@ turn, so process start-up and imports are paid once per world rather than once p
   (`reference.eager_cnn_reference`): each rank's own losses, and each rank's full state dict,
   since the BatchNorm running statistics differ by rank.
 
+Collectives: every run pins its cost model, so what runs never depends on a timing measurement
+(`Config.cost_model="measure"` would let a calibration decide whether each reduce-scatter runs
+natively or as an all-reduce and a slice). The parity runs use `cost_model=None` (native
+reduce-scatters); on 2 and 4 ranks the GPT also trains at every stage under `VIA_ALL_REDUCE`, a
+hand-built cost model that prices all-reduce far under reduce-scatter, so that every
+reduce-scatter runs as an all-reduce, against the same reference and tolerances.
+
 Every test in a world shares that world's run (a module-scoped fixture). A failure anywhere in
 the run therefore fails all of that world's tests with the same rank traceback; to rerun one
 pair alone, select it, e.g. `pytest tests/dist/test_parity.py -k "world2 and stage3 and gpt"`:
-the run trains only the pairs that the selected tests need.
+the run trains only the runs that the selected tests need.
 
 Tolerances: losses to rtol 1e-5, parameters and buffers to atol 1e-5. A correct engine sits
 far inside them (a traced, aten-level re-implementation of these loops, on 1, 2 and 4
@@ -33,21 +40,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxzero
 from fxzero import zoo
-from tests.dist.harness import run_ranks
+from fxzero.cost import CostModel, Link
+from tests.dist.harness import ADAMW, run_ranks, train
 from tests.dist.reference import (
+    classification_loss,
     clone_state_dict,
     eager_cnn_reference,
     eager_gpt_reference,
+    lm_loss,
     make_cnn_batches,
     make_gpt_batches,
-    rank_slice,
 )
 
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS = 10
 GLOBAL_BATCH = 8
 WORLDS = (1, 2, 4)
@@ -55,8 +62,21 @@ STAGES = (1, 2, 3)
 MODELS = ("gpt", "cnn")
 LOSS_RTOL = 1e-5
 STATE_ATOL = 1e-5
-# One world trains 3 stages x 2 models, compile included, with up to 4 ranks on 2 cores.
+# One world trains 3 stages x 2 models (and the GPT once more per stage with every
+# reduce-scatter via all-reduce), compile included, with up to 4 ranks on 2 cores.
 WORLD_TIMEOUT_S = 900
+NATIVE, VIA = "native", "via_all_reduce"
+VIA_ALL_REDUCE = CostModel(
+    name="all-reduce-far-cheaper", flops_per_s=1e12, mem_bytes_per_s=1e11,
+    links={
+        "all_gather": Link(bandwidth=1e9, latency=1e-5),
+        "reduce_scatter": Link(bandwidth=1e6, latency=1.0),
+        "all_reduce": Link(bandwidth=1e12, latency=1e-9),
+    },
+)
+"""All-reduce priced ~1e-6 x reduce-scatter at every size: `choose_collectives` (all-reduce when
+it is under 0.9 x the native reduce-scatter) turns every reduce-scatter into an all-reduce."""
+COST_MODELS = {NATIVE: None, VIA: VIA_ALL_REDUCE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +92,7 @@ class Workload:
     """Global batches (x, y), one per step."""
 
 
-def _loss(name: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if name == "gpt":
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    return F.cross_entropy(logits, y)
+LOSSES = {"gpt": lm_loss, "cnn": classification_loss}
 
 
 @functools.cache
@@ -110,53 +127,28 @@ def _cnn_reference(world_size: int) -> dict[str, Any]:
 # What every rank runs
 
 
-def _report_kind(report: Callable[[], Any]) -> str:
-    # Reports are checked by their own test; a broken one must not hide the parity results.
-    try:
-        return type(report()).__name__
-    except Exception as e:  # noqa: BLE001
-        return f"raised {type(e).__name__}: {e}"
-
-
-def _train_one(rank: int, world_size: int, stage: int, wl: Workload) -> dict[str, Any]:
+def _train_one(rank: int, world_size: int, stage: int, wl: Workload, collectives: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    cfg = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW))
+    cfg = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), cost_model=COST_MODELS[collectives])
     with torch.device("meta"):
         model = wl.model_fn()
     engine = fxzero.compile(model, config=cfg, state_dict=wl.state_dict)
-
-    losses = []
-    for x, y in wl.batches:
-        logits = engine(rank_slice(x, rank, world_size))
-        loss = _loss(wl.name, logits, rank_slice(y, rank, world_size))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().reshape(()).cpu().clone())
-    losses = torch.stack(losses)
-
+    # Equal micro-batches and no buffers (GPT): the mean of the local losses is the global loss.
+    losses = train(engine, wl.batches, LOSSES[wl.name], rank, world_size, mean_over_ranks=wl.name == "gpt")
     full = engine.full_state_dict()  # collective: every rank calls it
-    kinds = {
-        "memory_report": _report_kind(engine.memory_report),
-        "comm_report": _report_kind(lambda: engine.comm_report(reset=True)),
-    }
-
-    keep_state = True
-    if wl.name == "gpt":
-        # Equal micro-batches: the mean of the local mean losses is the global-batch loss.
-        if world_size > 1:
-            dist.all_reduce(losses)
-            losses /= world_size
-        keep_state = rank == 0  # parameters are the same everywhere; send back one copy
+    # Parameters are the same everywhere for the GPT; send back one copy. The CNN's buffers differ.
+    keep_state = wl.name != "gpt" or rank == 0
     state = {k: v.detach().cpu().clone() for k, v in full.items()} if keep_state else None
-    return {"losses": losses.tolist(), "state_dict": state, "reports": kinds}
+    algorithms = [i.algorithm for _, i in engine.schedule.collectives() if i.kind == "reduce_scatter"]
+    return {"losses": losses, "state_dict": state, "algorithms": algorithms, "comm": engine.comm_report()}
 
 
 def _train_all(
-    rank: int, world_size: int, pairs: list[tuple[int, str]], workloads: dict[str, Workload]
-) -> dict[tuple[int, str], dict[str, Any]]:
+    rank: int, world_size: int, runs: list[tuple[int, str, str]], workloads: dict[str, Workload]
+) -> dict[tuple[int, str, str], dict[str, Any]]:
     out = {}
-    for stage, name in pairs:
-        out[(stage, name)] = _train_one(rank, world_size, stage, workloads[name])
+    for stage, name, collectives in runs:
+        out[(stage, name, collectives)] = _train_one(rank, world_size, stage, workloads[name], collectives)
         if world_size > 1:
             # Start the next engine only when every rank has finished with this one.
             dist.barrier()
@@ -170,14 +162,21 @@ def _train_all(
 @dataclasses.dataclass(frozen=True)
 class WorldRun:
     world_size: int
-    per_rank: list[dict[tuple[int, str], dict[str, Any]]]
+    per_rank: list[dict[tuple[int, str, str], dict[str, Any]]]
 
-    def get(self, rank: int, stage: int, model: str) -> dict[str, Any]:
-        return self.per_rank[rank][(stage, model)]
+    def get(self, rank: int, stage: int, model: str, collectives: str = NATIVE) -> dict[str, Any]:
+        return self.per_rank[rank][(stage, model, collectives)]
 
 
-def _selected_pairs(request: pytest.FixtureRequest, world_size: int) -> list[tuple[int, str]]:
-    """The (stage, model) pairs that the selected tests of this module need on this world."""
+def _all_runs(world_size: int) -> list[tuple[int, str, str]]:
+    runs = [(stage, model, NATIVE) for stage, model in itertools.product(STAGES, MODELS)]
+    if world_size > 1:  # a world of one has no reduce-scatter to choose an algorithm for
+        runs += [(stage, "gpt", VIA) for stage in STAGES]
+    return runs
+
+
+def _selected_runs(request: pytest.FixtureRequest, world_size: int) -> list[tuple[int, str, str]]:
+    """The (stage, model, collectives) runs that the selected tests of this module need."""
     wanted = set()
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
@@ -185,22 +184,24 @@ def _selected_pairs(request: pytest.FixtureRequest, world_size: int) -> list[tup
             continue
         params = callspec.params
         if params.get("world_run") == world_size and "stage" in params and "model" in params:
-            wanted.add((params["stage"], params["model"]))
-    return [p for p in itertools.product(STAGES, MODELS) if p in wanted] or list(
-        itertools.product(STAGES, MODELS)
-    )
+            wanted.add((params["stage"], params["model"], params.get("collectives", NATIVE)))
+    runs = _all_runs(world_size)
+    return [r for r in runs if r in wanted] or runs
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def world_run(request: pytest.FixtureRequest) -> WorldRun:
     world_size = request.param
-    pairs = _selected_pairs(request, world_size)
-    per_rank = run_ranks(_train_all, world_size, pairs, _workloads(), timeout_s=WORLD_TIMEOUT_S)
+    runs = _selected_runs(request, world_size)
+    per_rank = run_ranks(_train_all, world_size, runs, _workloads(), timeout_s=WORLD_TIMEOUT_S)
     return WorldRun(world_size, per_rank)
 
 
 stage_param = pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage{s}")
 model_param = pytest.mark.parametrize("model", MODELS)
+# The via-all-reduce runs exist on the worlds with more than one rank (same fixture, same spawn).
+multi_rank_world = pytest.mark.parametrize("world_run", [w for w in WORLDS if w > 1], indirect=True,
+                                           ids=lambda w: f"world{w}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,12 +266,41 @@ def test_final_state_matches_eager(world_run: WorldRun, stage: int, model: str) 
 
 @model_param
 @stage_param
-def test_reports_are_dicts(world_run: WorldRun, stage: int, model: str) -> None:
+def test_native_runs_use_native_reduce_scatters(world_run: WorldRun, stage: int, model: str) -> None:
+    """cost_model=None: nothing is chosen, every reduce-scatter runs natively."""
     for rank in range(world_run.world_size):
-        kinds = world_run.get(rank, stage, model)["reports"]
-        assert kinds == {"memory_report": "dict", "comm_report": "dict"}, (
-            f"rank {rank}, stage {stage}, {model}: reports should be dicts, got {kinds}"
+        run = world_run.get(rank, stage, model)
+        assert run["algorithms"] and set(run["algorithms"]) == {""}, (
+            f"rank {rank}, stage {stage}, {model}: reduce-scatter algorithms {run['algorithms']}"
         )
+        rs = run["comm"].get("reduce_scatter", {})
+        assert rs.get("calls", 0) > 0 and rs["via_all_reduce"] == 0, f"rank {rank}: {run['comm']}"
+
+
+@multi_rank_world
+@pytest.mark.parametrize("collectives", [VIA])
+@pytest.mark.parametrize("model", ["gpt"])
+@stage_param
+def test_reduce_scatter_via_all_reduce_matches_eager(
+    world_run: WorldRun, stage: int, model: str, collectives: str
+) -> None:
+    """Every reduce-scatter as an all-reduce and a slice: the same results as the native path."""
+    w = world_run.world_size
+    what = f"gpt stage {stage} world {w}, reduce-scatter via all-reduce"
+    for rank in range(w):
+        run = world_run.get(rank, stage, model, collectives)
+        assert run["algorithms"] and set(run["algorithms"]) == {"all_reduce"}, (
+            f"{what}, rank {rank}: the schedule's reduce-scatter algorithms are {run['algorithms']}"
+        )
+        rs = run["comm"]["reduce_scatter"]
+        # Carried out as chosen: every logical reduce-scatter of every step went via all-reduce.
+        assert rs["calls"] == len(run["algorithms"]) * STEPS and rs["via_all_reduce"] == rs["calls"], (
+            f"{what}, rank {rank}: {rs}"
+        )
+    got = world_run.get(0, stage, model, collectives)
+    ref = _gpt_reference()
+    _assert_losses(got["losses"], ref["losses"], what)
+    _assert_state(got["state_dict"], ref["state_dict"], what)
 
 
 def test_references_are_self_consistent() -> None:
@@ -307,7 +337,7 @@ def _plain_cnn_training() -> dict[str, torch.Tensor]:
     model.load_state_dict(wl.state_dict)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     for x, y in wl.batches:
-        _loss("cnn", model(x), y).backward()
+        classification_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     return clone_state_dict(model)

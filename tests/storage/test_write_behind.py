@@ -1,4 +1,4 @@
-"""WriteBehind (fxzero/runtime/write_behind.py): copies, budget, reads from memory, errors."""
+"""WriteBehind (fxzero/runtime/storage/write_behind.py): copies, budget, reads from memory, errors."""
 
 from __future__ import annotations
 

@@ -99,6 +99,12 @@ def test_sharded_systems_gather_and_reduce(lines):
 def test_losses_agree_with_ddp(lines):
     summary = lines[-1]
     assert summary["losses_agree"] is True, summary["loss_max_rel_dev_vs_ddp"]
+    # and they do, step by step, in the run lines themselves
+    runs = {line["system"]: line for line in by_event(lines, "run") if line["ok"] and "discarded" not in line}
+    for name, run in runs.items():
+        assert len(run["losses"]) == len(runs["ddp"]["losses"]) == 2
+        for got, want in zip(run["losses"], runs["ddp"]["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, got, want)
     assert set(summary["loss_max_abs_dev_vs_ddp"]) == {
         line["system"] for line in by_event(lines, "system") if line["system"] != "ddp"
     }
@@ -127,14 +133,46 @@ def test_deepspeed_runs(lines):
     assert runs["ds-zero3-offload-cpu"]["optimizer"] == "DeepSpeedCPUAdam"
 
 
-def test_summarize_recomputes_the_same_summary(output, lines, tmp_path):
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def test_summary_figures_follow_from_the_run_lines(output, lines, tmp_path):
+    """The system and summary lines' figures, worked out here from the raw run lines (every kept
+    timed step of every round pooled; a step takes its slowest rank's time, as the run line has
+    it), in the output and again from `bench.py --summarize` of it."""
+    phi = lines[0]["num_params"]
+    runs: dict[str, list[dict]] = {}
+    for run in by_event(lines, "run"):
+        if run["ok"] and "discarded" not in run:
+            runs.setdefault(run["system"], []).append(run)
+    median = {name: _median([t for r in rs for t in r["step_times_s"]]) for name, rs in runs.items()}
+    peak_rss = {name: max(mb for r in rs for mb in r["peak_rss_mb_per_rank"]) for name, rs in runs.items()}
+    fx = runs["fxzero-stage3"][0]
+    fx_elements = sum(kind["elements"] for kind in fx["engine_comm_per_step"].values())
+    ddp_losses = runs["ddp"][0]["losses"]
+    loss_dev = {name: max(abs(a - b) for a, b in zip(rs[0]["losses"], ddp_losses)) for name, rs in runs.items()
+                if name != "ddp"}
+
     path = tmp_path / "out.jsonl"
     path.write_text(output)
-    proc = subprocess.run(
-        [sys.executable, "tools/bench.py", "--summarize", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--summarize", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     again = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert again[-1] == lines[-1]
-    assert [line for line in again if line["event"] == "system"] == by_event(lines, "system")
+    for got in (lines, again):
+        systems = {line["system"]: line for line in by_event(got, "system")}
+        summary = got[-1]
+        assert summary["event"] == "summary" and set(systems) == set(runs)
+        for name in runs:
+            assert systems[name]["median_step_s"] == pytest.approx(median[name], rel=1e-12), name
+            assert systems[name]["peak_rss_mb"] == pytest.approx(peak_rss[name], rel=1e-12), name
+            assert summary["median_step_s"][name] == pytest.approx(median[name], rel=1e-12), name
+        targets = summary["fxzero"]["fxzero-stage3"]
+        assert targets["step_vs_fsdp2"] == pytest.approx(median["fxzero-stage3"] / median["fsdp2"], rel=1e-12)
+        assert targets["peak_rss_vs_fsdp2"] == pytest.approx(peak_rss["fxzero-stage3"] / peak_rss["fsdp2"], rel=1e-12)
+        assert targets["comm_vs_3phi"] == pytest.approx(fx_elements / (3 * phi), rel=1e-12)
+        assert targets["met"]["step_vs_fsdp2"] == (targets["step_vs_fsdp2"] <= 0.9)
+        assert summary["loss_max_abs_dev_vs_ddp"] == pytest.approx(loss_dev, rel=1e-12, abs=0)
