@@ -27,6 +27,7 @@ from fxzero.runtime.comm import make_comm
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
+from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers
 from fxzero.units import persistent_units
 
@@ -85,9 +86,9 @@ def compile(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict, seed=config.seed,
         spill=spilled, spill_to=lambda unit, shard: store.put("param", unit, shard),
     )
+    state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, store=store)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
-    return Engine(model, config, comm=comm, cost_model=cost_model, layouts=layouts, persistent=whole,
-                  params=params, buffers=buffers, store=store, offloaded_params=spilled, compiler=compiler)
+    return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler)
 
 
 def _compile_for(model, config, world_size, layouts, cost_model, inputs):

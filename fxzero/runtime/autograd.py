@@ -12,21 +12,28 @@ parameter is a tensor autograd knows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the engine calls this module; only its type is named here
-    from fxzero.runtime.engine import Engine, Runners
+__all__ = ["ProgramPair", "RunProgram"]
 
-__all__ = ["RunProgram"]
+
+class ProgramPair(Protocol):
+    """What the bridge needs of the engine: run the forward program, and later its backward."""
+
+    rank: int
+
+    def _run_forward(self, runners: Any, inputs: tuple, for_backward: bool) -> tuple[list, Optional[list]]: ...
+
+    def _run_backward(self, runners: Any, saved: list, grad_outputs: list) -> None: ...
 
 
 class RunProgram(torch.autograd.Function):
     """See [Note: how the programs meet autograd]."""
 
     @staticmethod
-    def forward(ctx, engine: "Engine", runners: "Runners", for_backward: bool, anchor: torch.Tensor,
+    def forward(ctx, engine: ProgramPair, runners: Any, for_backward: bool, anchor: torch.Tensor,
                 *inputs: torch.Tensor):
         outputs, saved = engine._run_forward(runners, inputs, for_backward)
         ctx.engine, ctx.runners, ctx.saved = engine, runners, saved

@@ -23,13 +23,11 @@ import torch.nn as nn
 from fxzero._compat import pytree
 from fxzero.config import Config
 from fxzero.ir.instruction import Instruction
-from fxzero.ir.layout import UnitLayout
-from fxzero.runtime import state
 from fxzero.runtime.autograd import RunProgram
-from fxzero.runtime.comm import Comm, Pending
+from fxzero.runtime.comm import Comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optim import AdamWState, adamw_step
-from fxzero.runtime.storage.offload_store import OffloadStore
+from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import check_fingerprints
 from fxzero.schedule.compiled import CompiledProgram
@@ -52,34 +50,25 @@ class Runners(NamedTuple):
 class Engine:
     """Runs a model under ZeRO on this rank. Build it with `fxzero.compile`."""
 
-    def __init__(self, model: nn.Module, config: Config, *, comm: Comm, cost_model: Any,
-                 layouts: list[UnitLayout], persistent: frozenset[str], params: dict[str, torch.Tensor],
-                 buffers: dict[str, torch.Tensor], store: Optional[OffloadStore],
-                 offloaded_params: frozenset[str], compiler: Compiler) -> None:
+    def __init__(self, model: nn.Module, config: Config, *, comm: Comm, cost_model: Any, state: RankState,
+                 compiler: Compiler) -> None:
         """See `fxzero.api.compile`, which builds every argument.
 
         Args:
-            persistent: units held whole (their `params` entry is the full flat buffer).
-            params: this rank's parameter storage per unit, but the units in `offloaded_params`,
-                whose shards live in `store`.
+            state: this rank's model states, materialized (parameters and buffers).
+            compiler: compiles the program of a new input signature.
         """
         self.config = config
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.cost_model = cost_model
-        self.layouts = layouts
-        self.num_params = sum(layout.numel for layout in layouts)
-        self.store = store
+        self.state = state
+        self.layouts = state.layouts
+        self.num_params = sum(layout.numel for layout in state.layouts)
+        self.store = state.store
         self._model = model
         self._compile = compiler
-        self._layout = {lay.name: lay for lay in layouts}
-        self._whole = persistent
-        self._params = params
-        self._buffers = buffers
-        self._offloaded_params = offloaded_params
-        self._grads: dict[str, Any] = {}  # unit -> gradient shard (or its reduce-scatter in flight)
-        self._moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # AdamW's, where on the device
-        self._steps: dict[str, int] = {}  # AdamW's step count per unit
+        self._layout = {lay.name: lay for lay in state.layouts}
         self._cache: dict[Any, Runners] = {}
         self._gathered = GatheredMemory()
         self._pool = BufferPool()  # per-unit buffers reused across units and steps (storage/pool.py)
@@ -123,13 +112,13 @@ class Engine:
         env = {}
         for name, (kind, key) in zip(runner.program.inputs, program.inputs):
             if kind == "unit":
-                env[name] = self._params.get(key)  # None: the shard is on a tier, fetched by the program
+                env[name] = self.state.params.get(key)  # None: the shard is on a tier, fetched by the program
             elif kind == "buffer":
-                env[name] = self._buffers[key]
+                env[name] = self.state.buffers[key]
             elif kind == "grad":
-                env[name] = self._grads[key]
+                env[name] = self.state.grads[key]
             elif kind in ("exp_avg", "exp_avg_sq"):
-                env[name] = self._moments_of(key)[kind == "exp_avg_sq"]
+                env[name] = self.state.moments_of(key)[kind == "exp_avg_sq"]
             else:
                 env[name] = values[kind][key]
         return env
@@ -156,7 +145,7 @@ class Engine:
         sig = runners.compiled.signature
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
-            self._buffers[fqn] = value
+            self.state.buffers[fqn] = value
         saved = results[n_out + n_buf :]
         if not for_backward:
             kept = set(runners.forward.program.kept_names)
@@ -177,13 +166,14 @@ class Engine:
         saved.clear()
         values.clear()
         results = runners.backward.run(env, self._record)
+        grads = self.state.grads
         for (_, unit), grad in zip(program.outputs, results):
-            if unit in self._grads:
+            if unit in grads:
                 raise RuntimeError(
                     f"[rank {self.rank}] unit {unit!r} already holds a gradient: call step() "
                     "between backward passes (gradient accumulation is not supported yet)"
                 )
-            self._grads[unit] = grad
+            grads[unit] = grad
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` through the last forward: the same as `loss.backward()`."""
@@ -196,14 +186,6 @@ class Engine:
 
     # -- optimizer step --------------------------------------------------------------------
 
-    def _moments_of(self, unit: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """AdamW's moments of a unit whose optimizer states live on the device (zeros at first)."""
-        if unit not in self._moments:
-            layout = self._layout[unit]
-            self._moments[unit] = (torch.zeros(layout.shard_numel, dtype=layout.dtype),
-                                   torch.zeros(layout.shard_numel, dtype=layout.dtype))
-        return self._moments[unit]
-
     def _update(self, ins: Instruction, gradless: frozenset[str], param: torch.Tensor, grad: torch.Tensor,
                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """An optim_step: AdamW on this rank's shard of `ins.unit`, in place, wherever its states live."""
@@ -211,9 +193,9 @@ class Engine:
         if ins.buffer == "persistent":  # the unit's full buffer: this rank's slice is its shard
             lo, hi = layout.shard_range(self.rank)
             param = param[lo:hi]
-        adam = AdamWState(exp_avg, exp_avg_sq, self._steps.get(ins.unit, 0))
+        adam = AdamWState(exp_avg, exp_avg_sq, self.state.steps.get(ins.unit, 0))
         adamw_step(param, grad, adam, self.config.optimizer, layout.shard_ranges(self.rank, skip=gradless))
-        self._steps[ins.unit] = adam.step
+        self.state.steps[ins.unit] = adam.step
 
     @torch.no_grad()
     def step(self) -> None:
@@ -221,25 +203,19 @@ class Engine:
         if self._last is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         runner = self._last.step
-        missing = [i.unit for i in runner.program.instructions if i.kind == "optim_step" and i.unit not in self._grads]
+        grads = self.state.grads
+        missing = [i.unit for i in runner.program.instructions if i.kind == "optim_step" and i.unit not in grads]
         if missing:
             raise RuntimeError(
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
         runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
-        self._grads.clear()
+        grads.clear()
 
     def zero_grad(self) -> None:
-        self._settle_grads()
-        self._grads.clear()
-
-    def _settle_grads(self) -> None:
-        """Wait for the gradients the backward left in flight (the step waits for them one by
-        one, before each unit's update; see [Note: gradients carried into the step])."""
-        for unit, grad in self._grads.items():
-            if isinstance(grad, Pending):
-                self._grads[unit] = grad.wait()
+        self.state.settle_grads()
+        self.state.grads.clear()
 
     # -- recording, state and reports --------------------------------------------------------
 
@@ -256,12 +232,15 @@ class Engine:
 
         A collective: every rank must call it. Its traffic is not counted in comm_report().
         """
-        return state.full_state_dict(self)
+        return self.state.full_state_dict(self._model, self.comm)
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes this rank holds now, by category; see `fxzero.runtime.state.memory_report`."""
-        self._settle_grads()
-        return state.memory_report(self)
+        """Bytes this rank holds now, by category (`RankState.memory_report`), plus the gathered
+        parameter buffers alive now and at most (`gathered`, `gathered_peak`) and the state shards
+        fetched from a tier and not yet released (`staged`, `staged_peak`)."""
+        g = self._gathered
+        return {**self.state.memory_report(), "gathered": g.current, "gathered_peak": g.peak,
+                "staged": g.staged, "staged_peak": g.staged_peak}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset
@@ -274,6 +253,6 @@ class Engine:
 
     def close(self) -> None:
         """Finish offload I/O in flight and remove this rank's NVMe files (also done at exit)."""
-        self._settle_grads()
+        self.state.settle_grads()
         if self.store is not None:
             self.store.close()

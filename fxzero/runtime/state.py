@@ -1,15 +1,25 @@
-"""An engine's state as the user sees it: the full state dict and the memory report."""
+"""This rank's model states: parameter storage, buffers, gradients and AdamW's moments.
+
+`RankState` is what the engine trains and what a checkpoint would save: per unit, this rank's
+parameter shard (or, for a unit held whole, its full flat buffer; or nothing, where the shard
+lives on a tier of the offload store), the model's buffers, the gradients the last backward
+left (possibly still in flight) and the moments and step counts of AdamW. It also answers for
+them as the user sees them: the full state dict and the memory report.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+import dataclasses
+from typing import Any, Iterable, Optional
 
 import torch
+import torch.nn as nn
 
-if TYPE_CHECKING:  # the engine calls these; only its type is named here
-    from fxzero.runtime.engine import Engine
+from fxzero.ir.layout import UnitLayout
+from fxzero.runtime.comm import Comm, Pending
+from fxzero.runtime.storage.offload_store import OffloadStore
 
-__all__ = ["full_state_dict", "memory_report", "storage_bytes"]
+__all__ = ["RankState", "storage_bytes"]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -21,61 +31,89 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-@torch.no_grad()
-def full_state_dict(engine: "Engine") -> dict[str, torch.Tensor]:
-    """Full parameters and this rank's buffers, keyed like `model.state_dict()`.
+@dataclasses.dataclass
+class RankState:
+    layouts: list[UnitLayout]
+    whole: frozenset[str]
+    """Units held whole (their `params` entry is the full flat buffer): every unit at ZeRO-1/2,
+    units under the persistence threshold at ZeRO-3."""
+    params: dict[str, torch.Tensor]
+    """This rank's parameter storage per unit, but the units in `offloaded_params`."""
+    buffers: dict[str, torch.Tensor]
+    offloaded_params: frozenset[str] = frozenset()
+    """Units whose parameter shards live in `store`."""
+    store: Optional[OffloadStore] = None
+    grads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """unit -> gradient shard, or its reduce-scatter still in flight (a `Pending`), or the
+    token of its write to a tier."""
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """AdamW's (exp_avg, exp_avg_sq) of the units whose optimizer states live on the device."""
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    """AdamW's step count per unit (wherever its moments live)."""
 
-    A collective: every rank must call it. Its traffic is not counted in comm_report().
-    """
-    full: dict[str, torch.Tensor] = {}
-    for layout in engine.layouts:
-        if layout.name in engine._whole:
-            flat = engine._params[layout.name]
-        else:
-            shard = engine._params.get(layout.name)
-            if layout.name in engine._offloaded_params:
-                shard = engine.store.get("param", layout.name)
-            flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
-            engine.comm.all_gather(flat, shard, count=False).wait()
-        for slot in layout.slots:
-            full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    model = engine._model
-    out = {}
-    first: dict[int, str] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        out[fqn] = full[first.setdefault(id(p), fqn)]
-    for fqn, _ in model.named_buffers(remove_duplicate=False):
-        out[fqn] = engine._buffers[fqn].clone()
-    order = list(model.state_dict(keep_vars=True).keys())
-    return {k: out[k] for k in order if k in out}
+    def layout(self, unit: str) -> UnitLayout:
+        return next(lay for lay in self.layouts if lay.name == unit)
 
+    def moments_of(self, unit: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moments of a unit whose optimizer states live on the device (zeros at first)."""
+        if unit not in self.moments:
+            layout = self.layout(unit)
+            self.moments[unit] = (torch.zeros(layout.shard_numel, dtype=layout.dtype),
+                                  torch.zeros(layout.shard_numel, dtype=layout.dtype))
+        return self.moments[unit]
 
-def memory_report(engine: "Engine") -> dict[str, Any]:
-    """Bytes this rank holds now, by category, plus the peak of gathered buffers.
+    def settle_grads(self) -> None:
+        """Wait for the gradients the backward left in flight (the step program waits for them
+        one by one, before each unit's update; see [Note: gradients carried into the step])."""
+        for unit, grad in self.grads.items():
+            if isinstance(grad, Pending):
+                self.grads[unit] = grad.wait()
 
-    param_shards counts all parameter storage, of which persistent_params is held whole
-    (persistent units: every unit at ZeRO-1/2, units under the threshold at ZeRO-3).
-    Categories count resident memory only; `offloaded` is bytes per storage tier, and
-    staged / staged_peak the shards fetched from a tier and not yet released.
+    @torch.no_grad()
+    def full_state_dict(self, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
+        """Full parameters and this rank's buffers, keyed like `model.state_dict()`.
 
-    Counted from the storages the engine holds (a view of a larger buffer counts the whole
-    buffer), not estimated from sizes. Gradients in flight must be settled first.
-    """
-    params = storage_bytes(engine._params.values())
-    persistent = storage_bytes(t for u, t in engine._params.items() if u in engine._whole)
-    grads = storage_bytes(engine._grads.values())
-    optim = storage_bytes(t for moments in engine._moments.values() for t in moments)
-    gathered = engine._gathered
-    return {
-        "param_shards": params,
-        "persistent_params": persistent,
-        "grad_shards": grads,
-        "optimizer_states": optim,
-        "model_states": params + grads + optim,
-        "buffers": storage_bytes(engine._buffers.values()),
-        "gathered": gathered.current,
-        "gathered_peak": gathered.peak,
-        "staged": gathered.staged,
-        "staged_peak": gathered.staged_peak,
-        "offloaded": engine.store.held_bytes() if engine.store is not None else {},
-    }
+        A collective: every rank must call it. Its traffic is not counted in comm_report().
+        """
+        full: dict[str, torch.Tensor] = {}
+        for layout in self.layouts:
+            if layout.name in self.whole:
+                flat = self.params[layout.name]
+            else:
+                shard = self.params.get(layout.name)
+                if layout.name in self.offloaded_params:
+                    shard = self.store.get("param", layout.name)
+                flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
+                comm.all_gather(flat, shard, count=False).wait()
+            for slot in layout.slots:
+                full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        out = {}
+        first: dict[int, str] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            out[fqn] = full[first.setdefault(id(p), fqn)]
+        for fqn, _ in model.named_buffers(remove_duplicate=False):
+            out[fqn] = self.buffers[fqn].clone()
+        order = list(model.state_dict(keep_vars=True).keys())
+        return {k: out[k] for k in order if k in out}
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes this rank holds now, by category (gradients in flight are settled first).
+
+        param_shards counts all parameter storage, of which persistent_params is held whole.
+        Categories count resident memory only; `offloaded` is bytes per storage tier. Counted
+        from the storages held (a view of a larger buffer counts the whole buffer), not
+        estimated from sizes.
+        """
+        self.settle_grads()
+        params = storage_bytes(self.params.values())
+        grads = storage_bytes(self.grads.values())
+        optim = storage_bytes(t for moments in self.moments.values() for t in moments)
+        return {
+            "param_shards": params,
+            "persistent_params": storage_bytes(t for u, t in self.params.items() if u in self.whole),
+            "grad_shards": grads,
+            "optimizer_states": optim,
+            "model_states": params + grads + optim,
+            "buffers": storage_bytes(self.buffers.values()),
+            "offloaded": self.store.held_bytes() if self.store is not None else {},
+        }

@@ -76,7 +76,7 @@ def test_disk_too_small_is_refused_before_training(tmp_path, monkeypatch):
 def test_state_changed_underneath_is_detected(tmp_path, how):
     engine, inputs = _engine(_nvme_config(tmp_path))
     _train_step(engine, inputs)
-    steps_before = dict(engine._steps)
+    steps_before = dict(engine.state.steps)
     (rank_dir,) = os.listdir(tmp_path)
     victim = os.path.join(tmp_path, rank_dir, "param%2Fblocks.1.fxz")
     assert os.path.exists(victim), os.listdir(os.path.join(tmp_path, rank_dir))
@@ -98,7 +98,7 @@ def test_state_changed_underneath_is_detected(tmp_path, how):
     with pytest.raises(IOError, match=rf"NvmeTier key 'param/blocks.1', file .*: {expected}"):
         _train_step(engine, inputs)
     # The bad read stopped the forward: no unit took another optimizer step.
-    assert dict(engine._steps) == steps_before == {
+    assert dict(engine.state.steps) == steps_before == {
         unit: 1 for unit in steps_before
     }
     engine.close()
