@@ -25,6 +25,8 @@ _EXPORTS = {
     "Device": "fxzero.config",
     "Engine": "fxzero.runtime.engine",
     "LinkEmulation": "fxzero.config",
+    "LossScale": "fxzero.config",
+    "MixedPrecision": "fxzero.config",
     "Nvme": "fxzero.config",
     "Offload": "fxzero.config",
     "Prefetch": "fxzero.config",

@@ -87,8 +87,24 @@ def compile(
         spill=spilled, spill_to=lambda unit, shard: store.put("param", unit, shard),
     )
     state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, store=store)
+    if config.mixed_precision is not None:
+        _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
     return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler)
+
+
+def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
+    """Mixed precision: each unit's fp32 master shard and its copy in the compute dtype ([Note:
+    master and low] in passes/step_program.py); a unit held whole keeps its full buffer only in
+    the compute dtype, and of the fp32 values only this rank's shard."""
+    for layout in state.layouts:
+        values = state.params[layout.name]
+        if not layout.dtype.is_floating_point:
+            continue
+        state.low[layout.name] = values.to(low_dtype)
+        if layout.name in state.whole:
+            lo, hi = layout.shard_range(rank)
+            state.params[layout.name] = values[lo:hi].clone()
 
 
 def _compile_for(model, config, world_size, layouts, cost_model, inputs):

@@ -7,6 +7,7 @@ the CLI both start from its result.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -25,8 +26,14 @@ __all__ = ["compile_program", "plan_layouts"]
 
 
 def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None) -> list[UnitLayout]:
-    """Units (by the config's policy), then buckets of small units where the config asks."""
+    """Units (by the config's policy), then buckets of small units where the config asks.
+
+    With mixed precision a unit's layout dtype is its masters', fp32, whatever the model's.
+    """
     layouts = plan_units(model, config.units, world_size)
+    if config.mixed_precision is not None:
+        layouts = [dataclasses.replace(lay, dtype=torch.float32) if lay.dtype.is_floating_point else lay
+                   for lay in layouts]
     if config.bucket is None:
         return layouts
     max_bytes = config.bucket.max_bytes
@@ -57,7 +64,8 @@ def compile_program(
     """
     if layouts is None:
         layouts = plan_layouts(model, config, world_size, cost_model)
-    traced = trace_joint(model, example_inputs)
+    mp = config.mixed_precision
+    traced = trace_joint(model, example_inputs, param_dtype=mp.param_dtype if mp is not None else None)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(

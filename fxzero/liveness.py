@@ -21,32 +21,23 @@ alive while it runs: its output allocated, its dead inputs not yet dropped.
 from __future__ import annotations
 
 import operator
-from typing import Any
 
-import torch
 import torch.fx as fx
 
 from fxzero.ir.alias import alias_source
 from fxzero.ir.instruction import Instruction
+from fxzero.ir.sizes import nbytes
 from fxzero.schedule import ProgramSchedule
 from fxzero.ir.layout import UnitLayout
 
 __all__ = ["program_live_bytes"]
 
 
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
-
-
 def _storage_bytes(node: fx.Node, layouts: dict[str, UnitLayout]) -> int:
     """Bytes of the storage a node allocates. Nodes the passes insert carry no fake value;
     their sizes come from their unit's layout."""
     if "val" in node.meta:
-        return _nbytes(node.meta["val"])
+        return nbytes(node.meta["val"])
     meta = node.meta.get("fxzero", {})
     layout = layouts.get(meta.get("unit"))
     if layout is None:

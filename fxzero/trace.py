@@ -24,7 +24,7 @@ and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -46,10 +46,11 @@ class TracedJoint:
     signature: JointSignature
 
 
-def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-    """A fake CPU tensor with t's shape and dtype (t may be on the meta device)."""
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = False,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A fake CPU tensor with t's shape and dtype, or `dtype` (t may be on the meta device)."""
     with mode:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
     return out.requires_grad_(requires_grad)
 
 
@@ -64,12 +65,15 @@ def _check_model(model: nn.Module) -> None:
                 )
 
 
-def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> TracedJoint:
+def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
+                param_dtype: Optional[torch.dtype] = None) -> TracedJoint:
     """Trace the joint forward+backward graph of `model` on inputs shaped like `example_inputs`.
 
     Args:
         model: the module; its parameters and buffers may live on the meta device.
         example_inputs: tensors (real, meta or fake) giving the inputs' shapes and dtypes.
+        param_dtype: trace with the floating point parameters in this dtype, and floating
+            inputs cast to it in the graph (mixed precision); None: the model's own dtypes.
 
     Raises:
         TypeError: for inputs that are not tensors or inputs that require grad.
@@ -93,12 +97,15 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> Tra
     mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def fresh_args() -> tuple[list, list, list]:
-        fp = [_fake_like(mode, p, p.requires_grad) for p in params.values()]
+        fp = [_fake_like(mode, p, p.requires_grad, param_dtype if p.is_floating_point() else None)
+              for p in params.values()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
         fx_ = [_fake_like(mode, x) for x in example_inputs]
         return fp, fb, fx_
 
     def forward(fp: list, fb: list, fi: list) -> Any:
+        if param_dtype is not None:  # the cast is a node of the graph, at the forward's start
+            fi = [x.to(param_dtype) if x.is_floating_point() else x for x in fi]
         state = {**dict(zip(param_fqns, fp)), **dict(zip(buffer_fqns, fb))}
         return torch.func.functional_call(model, state, tuple(fi), strict=True)
 

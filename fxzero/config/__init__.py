@@ -2,12 +2,14 @@
 
 - `policies`: `UnitsPolicy`, `AdamW`, `Prefetch`, `Bucket`, `LinkEmulation`;
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
+- `precision`: `MixedPrecision` and float16's `LossScale`;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import STATE_KINDS, Cpu, Device, Nvme, Offload, Placement
 from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config.precision import LossScale, MixedPrecision
 
 __all__ = [
     "STATE_KINDS",
@@ -18,6 +20,8 @@ __all__ = [
     "Cpu",
     "Device",
     "LinkEmulation",
+    "LossScale",
+    "MixedPrecision",
     "Nvme",
     "Offload",
     "Placement",

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 
 from fxzero.config.deepspeed import config_fields
 from fxzero.config.placement import Offload
+from fxzero.config.precision import MixedPrecision
 from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
 
 __all__ = ["TRANSPORTS", "Config"]
@@ -59,6 +60,9 @@ class Config:
     collectives (gloo over loopback TCP, NCCL) always."""
     offload: Offload = Offload()
     """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
+    mixed_precision: Optional[MixedPrecision] = None
+    """Compute and gather in bfloat16 or float16 with fp32 master shards (`fxzero.MixedPrecision`);
+    None trains in the model's own dtype (fp32)."""
     keep_host_memory: bool = False
     """On a machine without CUDA, keep freed host memory in the process instead of unmapping it
     (glibc; see fxzero/runtime/host_memory.py): the per-unit buffers then cost no page faults,
@@ -89,6 +93,15 @@ class Config:
                 f"Config.offload.params={self.offload.params!r} needs stage=3: at stage {self.stage} "
                 "every rank holds the whole parameters; offload the optimizer states instead "
                 "(Offload(optimizer=...)), or use stage=3"
+            )
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"Config.mixed_precision must be a fxzero.MixedPrecision or None, got {type(self.mixed_precision).__name__}"
+            )
+        if self.mixed_precision is not None and self.offload.offloaded("param"):
+            raise ValueError(
+                "Config(mixed_precision=...) with offloaded parameters (Offload(params=...)) is not supported yet: "
+                "keep the parameters on the device (offloading the optimizer states works), or train in fp32"
             )
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")

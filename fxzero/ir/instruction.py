@@ -28,7 +28,7 @@ BUFFERS = ("", "gathered", "persistent", "fetched", "flat_grad", "grad_shard", "
 - "gathered": a unit's full flat parameters, gathered for a while and freed (all_gather, its wait,
   the free that releases it);
 - "persistent": a unit's full flat buffer held for the whole step (ZeRO-1/2, persistent units):
-  the step's all_gather refills it in place, and an optim_step that updates this rank's slice of it;
+  the step's all_gather refills it in place, and an optim_step or cast writes this rank's slice of it;
 - "fetched": a state shard read from a tier into a buffer of its own (fetch, its wait, its free);
 - "flat_grad": a unit's gradients flattened into one padded buffer (the reduce-scatter's input);
 - "grad_shard": this rank's reduced gradient shard (reduce_scatter and its wait);
@@ -41,7 +41,8 @@ class Instruction:
     name: str
     """The value it defines (the FX node name in its program's graph)."""
     kind: str
-    """compute | all_gather | reduce_scatter | fetch | offload | wait | free | optim_step."""
+    """compute | all_gather | reduce_scatter | fetch | offload | wait | free | optim_step | cast
+    (mixed precision: a master shard into its low-precision copy)."""
     stream: str
     """compute | comm | io: collectives run on the comm stream, transfers to and from a storage
     tier (fetch, offload) on the io stream, everything else computes."""

@@ -16,12 +16,12 @@ from fxzero.ir.alias import alias_root, alias_source
 from fxzero.ir.instruction import COLLECTIVES, IO, STREAM_OF, Instruction
 from fxzero.ir.layout import UnitLayout
 from fxzero.ir.ops import OPS
-from fxzero.ir.sizes import flops, nbytes, value_size
+from fxzero.ir.sizes import flops, itemsize_of, nbytes, value_size
 from fxzero.ir.tags import is_kind, kind
 
 __all__ = ["buffer_of", "gathered_root", "instruction_of", "is_fetched_shard"]
 
-_KINDS = ("all_gather", "reduce_scatter", "wait", "free", "optim_step", *IO)
+_KINDS = ("all_gather", "reduce_scatter", "wait", "free", "optim_step", "cast", *IO)
 """Node kinds that lower to an instruction of their own kind; every other node computes."""
 
 
@@ -60,7 +60,7 @@ def buffer_of(node: fx.Node) -> str:
         return buffer_of(src) if src.op == "call_function" else "grad_shard"  # a gradient carried in
     if k == "free":
         return "fetched" if is_fetched_shard(node.args[0]) else "gathered"
-    if k == "optim_step":
+    if k in ("optim_step", "cast"):  # what they update: a shard, or a unit's whole buffer
         param = alias_root(node.args[0])
         whole = param.op == "placeholder" and is_kind(param, "unit") and not param.meta["fxzero"].get("sharded", True)
         return "persistent" if whole else ""
@@ -87,15 +87,26 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
     touches = sorted({r.name for r in map(gathered_root, node.all_input_nodes) if r is not None})
     layout = layouts.get(unit) if unit is not None else None
     if k in COLLECTIVES:
+        # The buffer's own dtype: mixed precision gathers in the compute dtype and reduces in the
+        # reduce dtype, whatever the master's (the layout's) is.
         numel = layout.padded_numel
-        size = numel * layout.itemsize
-    elif k in IO or k == "optim_step":
+        size = numel * itemsize_of(node.args[0], layout.itemsize)  # its operand: the shard, the flat gradient
+    elif k in IO:
+        numel = layout.shard_numel
+        moved = node if k == "fetch" else node.args[0]
+        size = numel * (node.args[3].itemsize if k == "fetch" else itemsize_of(moved, layout.itemsize))
+    elif k == "optim_step":
         numel = layout.shard_numel
         size = numel * layout.itemsize
+    elif k == "cast":  # reads this rank's master shard, writes its low-precision copy
+        numel = layout.shard_numel
+        size = numel * node.args[0].meta["val"].element_size()
     else:
         numel, size = value_size(node.meta.get("val"))
     count = flops(node) if k == "compute" else 0
     read_bytes = sum(nbytes(i.meta.get("val")) for i in node.all_input_nodes) if k == "compute" else 0
+    if k == "cast":
+        read_bytes = numel * node.args[1].meta["val"].element_size()
     if k == "compute" and alias_source(node) is not None:
         size = read_bytes = 0  # a view moves no data
     scatter = k == "reduce_scatter"
@@ -116,5 +127,5 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
         buffer=buffer_of(node) if k != "compute" or node.target is OPS["flatten_grads"] else "",
         keep_full=bool(node.args[3]) if scatter else False,
         aligned=scatter and any(is_kind(u, "offload") for w in node.users for u in w.users),
-        dtype=_dtype(node, layout),
+        dtype=_dtype(node.args[0] if k in ("cast", *COLLECTIVES) else node, layout),
     )

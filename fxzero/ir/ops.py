@@ -6,7 +6,7 @@ does not call the collective kernels: it recognizes these nodes and issues async
 collectives instead (see `fxzero/runtime/executor.py`).
 
 Ops that change a buffer in place declare it in `mutates_args` (`free`, `adamw`,
-`all_gather_into`): their schema is then mutable, so `Graph.eliminate_dead_code` keeps them, and
+`all_gather_into`, `cast_into`): their schema is then mutable, so `Graph.eliminate_dead_code` keeps them, and
 the schedule orders every other reader of that buffer around them ([Note: ordered by
 mutation] in `fxzero/schedule/build.py`).
 """
@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
+__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "cast_into", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
            "wait"]
 
 _lib = "fxzero"
@@ -182,6 +182,27 @@ def _(full: torch.Tensor, unit: str, world_size: int) -> torch.Tensor:
     return full.new_empty(0)
 
 
+@torch.library.custom_op(f"{_lib}::cast_into", mutates_args=("low",))
+def cast_into(low: torch.Tensor, master: torch.Tensor, unit: str) -> None:
+    """Mixed precision: `low`, the low-precision copy of `unit`'s parameters that the all-gather
+    moves, takes the values of `master`, this rank's fp32 master shard, cast to its dtype.
+
+    `low` is this rank's shard, or, for a unit held whole, the unit's full flat buffer, of which
+    this rank's slice is written (the others come from the all_gather_into that follows).
+    """
+    if low.numel() != master.numel():
+        raise RuntimeError(
+            "fxzero::cast_into ran eagerly on a unit held whole; it needs this rank's slice: run the "
+            "rewritten graph through fxzero's runtime"
+        )
+    low.copy_(master)
+
+
+@cast_into.register_fake
+def _(low, master, unit):
+    return None
+
+
 OPS = {
     "all_gather": torch.ops.fxzero.all_gather.default,
     "reduce_scatter": torch.ops.fxzero.reduce_scatter.default,
@@ -192,4 +213,5 @@ OPS = {
     "offload": torch.ops.fxzero.offload.default,
     "adamw": torch.ops.fxzero.adamw.default,
     "all_gather_into": torch.ops.fxzero.all_gather_into.default,
+    "cast_into": torch.ops.fxzero.cast_into.default,
 }

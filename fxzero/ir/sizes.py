@@ -10,7 +10,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fxzero._compat import pytree
 
-__all__ = ["flops", "nbytes", "round_up", "value_size"]
+__all__ = ["flops", "itemsize_of", "nbytes", "round_up", "value_size"]
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -31,6 +31,13 @@ def value_size(val: Any) -> tuple[int, int]:
 def nbytes(val: Any) -> int:
     """Bytes of a traced value (see `value_size`)."""
     return value_size(val)[1]
+
+
+def itemsize_of(node: Any, default: int) -> int:
+    """Bytes per element of a node's traced value (a buffer's dtype), else `default` (e.g. the
+    unit layout's: nodes a pass inserted without a traced value)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.element_size() if isinstance(val, torch.Tensor) else default
 
 
 def flops(node: fx.Node) -> int:

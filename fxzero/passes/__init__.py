@@ -29,11 +29,12 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     persistent = persistent_units(config, layouts)
     tiers = config.offload.tiers()
     lookahead = config.offload.lookahead
+    mp = config.mixed_precision
     passes = [
         partition.make(persistent=persistent),
         separate_phases.PASS,
         insert_gather_free.PASS,
-        insert_reduce_scatter.make(keep_full=config.stage == 1),
+        insert_reduce_scatter.make(keep_full=config.stage == 1, dtype=mp.grad_dtype if mp is not None else None),
         choose_collectives.make(cost_model=cost_model),
     ]
     if config.prefetch is not None:
@@ -53,6 +54,7 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     passes += [
         canonicalize.PASS,
         split.PASS,
-        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent),
+        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent,
+                          low_dtype=mp.param_dtype if mp is not None else None),
     ]
     return passes

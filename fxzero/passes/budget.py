@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from fxzero.ir.sizes import itemsize_of
 from fxzero.ir.tags import is_kind, phase, wait_of
 from fxzero.passes.runner import PassContext
 
@@ -26,7 +27,7 @@ def gather_intervals(graph: fx.Graph, ctx: PassContext) -> dict[fx.Node, tuple[f
             continue
         (free,) = [u for u in wait_of(g).users if is_kind(u, "free")]
         layout = ctx.layout(g.meta["fxzero"]["unit"])
-        out[g] = (g, free, layout.padded_numel * layout.itemsize)
+        out[g] = (g, free, layout.padded_numel * itemsize_of(g, layout.itemsize))
     return out
 
 
@@ -37,7 +38,7 @@ def reduce_intervals(graph: fx.Graph, ctx: PassContext) -> dict[fx.Node, tuple[f
         if is_kind(rs, "reduce_scatter"):
             wait = wait_of(rs)
             layout = ctx.layout(rs.meta["fxzero"]["unit"])
-            out[rs] = (rs, wait, layout.padded_numel * layout.itemsize)
+            out[rs] = (rs, wait, layout.padded_numel * itemsize_of(rs.args[0], layout.itemsize))
     return out
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from fxzero.ir.sizes import itemsize_of
 from fxzero.ir.tags import is_kind, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
@@ -45,7 +46,7 @@ def choose_collectives_pass(gm: fx.GraphModule, ctx: PassContext, *, cost_model:
         if not is_kind(node, "reduce_scatter"):
             continue
         layout = ctx.layout(node.meta["fxzero"]["unit"])
-        algorithm = _choice(cost_model, layout.padded_numel * layout.itemsize, ctx.world_size)
+        algorithm = _choice(cost_model, layout.padded_numel * itemsize_of(node.args[0], layout.itemsize), ctx.world_size)
         tag(node, algorithm=algorithm)
         chosen[algorithm] += 1
     return PassResult(gm, changed=chosen["all_reduce"] > 0, summary={f"via_{k}": v for k, v in chosen.items()})

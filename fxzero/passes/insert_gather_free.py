@@ -50,6 +50,9 @@ def _gather_before(graph: fx.Graph, unit_node: fx.Node, first: fx.Node, which: s
         done = graph.call_function(OPS["wait"], (start,))
     tag(start, kind="all_gather", unit=unit, phase=which)
     tag(done, kind="wait", unit=unit, phase=which, waits_for=start.name)
+    full = unit_node.meta.get("val")  # the unit's whole flat buffer, in the dtype it computes in
+    if full is not None:
+        start.meta["val"] = done.meta["val"] = full
     return start, done
 
 
@@ -82,7 +85,7 @@ def insert_gather_free_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         val = unit_node.meta.get("val")
         if val is not None:
             with val.fake_mode:
-                unit_node.meta["val"] = torch.empty(layout.shard_numel, dtype=layout.dtype)
+                unit_node.meta["val"] = torch.empty(layout.shard_numel, dtype=val.dtype)
     return PassResult(gm, changed=gathers > 0, summary={"all_gathers": gathers, "frees": gathers})
 
 

@@ -13,13 +13,17 @@ After (right after the unit's last gradient)::
     return [out, gshard, ..., new_bn_mean]         # one gradient shard per trainable unit
 
 With `keep_full` (ZeRO-1) the averaged shard is written into this rank's slice of `flat`, and
-the full flat gradient stays allocated as the unit's gradient buffer.
+the full flat gradient stays allocated as the unit's gradient buffer. With mixed precision the
+gradients (in the compute dtype) are flattened into a buffer of the reduce dtype: that flatten
+is the cast (tagged `cast`, its instruction's dtype the reduce dtype), one pass over the bytes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from fxzero.ir.ops import OPS
@@ -30,7 +34,21 @@ REQUIRES = frozenset({"units_partitioned", "phases"})
 PROVIDES = frozenset({"grads_reduced"})
 
 
-def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_full: bool) -> PassResult:
+def _fake(like: Optional[fx.Node], numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    val = like.meta.get("val") if like is not None else None
+    if val is None or not hasattr(val, "fake_mode"):
+        return None
+    with val.fake_mode:
+        return torch.empty(numel, dtype=dtype)
+
+
+def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_full: bool,
+                               dtype: Optional[torch.dtype] = None) -> PassResult:
+    """Args:
+        keep_full: ZeRO-1: the full flat gradient stays as the unit's gradient buffer.
+        dtype: the dtype gradients are flattened into and reduced in (mixed precision's
+            reduce_dtype: the flatten is the cast); None: each unit's own dtype.
+    """
     graph = gm.graph
     sig = ctx.signature
     out = output_node(graph)
@@ -45,10 +63,11 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
         present = [g for g in grads if isinstance(g, fx.Node)]
         pos = positions(graph)
         anchor = max(present, key=pos.__getitem__) if present else out.prev
+        flat_dtype = dtype or layout.dtype
         with graph.inserting_after(anchor):
             flat = graph.call_function(
                 OPS["flatten_grads"],
-                (grads, [s.numel for s in layout.slots], layout.padded_numel, layout.dtype),
+                (grads, [s.numel for s in layout.slots], layout.padded_numel, flat_dtype),
             )
         with graph.inserting_after(flat):
             start = graph.call_function(
@@ -56,7 +75,13 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
             )
         with graph.inserting_after(start):
             done = graph.call_function(OPS["wait"], (start,))
-        tag(flat, kind="flatten_grads", unit=layout.name, phase=BACKWARD)
+        grad_dtype = next((g.meta["val"].dtype for g in present if "val" in g.meta), flat_dtype)
+        tag(flat, kind="flatten_grads", unit=layout.name, phase=BACKWARD, cast=grad_dtype != flat_dtype)
+        like = present[0] if present else None
+        flat_val, shard_val = _fake(like, layout.padded_numel, flat_dtype), _fake(like, layout.shard_numel, flat_dtype)
+        if flat_val is not None:
+            flat.meta["val"] = flat_val
+            start.meta["val"] = done.meta["val"] = shard_val
         tag(start, kind="reduce_scatter", unit=layout.name, phase=BACKWARD, keep_full=keep_full)
         tag(done, kind="wait", unit=layout.name, phase=BACKWARD, waits_for=start.name)
         grad_shards.append(done)
@@ -67,10 +92,10 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
     return PassResult(gm, changed=bool(grad_shards), summary={"reduce_scatters": len(grad_shards)})
 
 
-def make(*, keep_full: bool) -> Pass:
+def make(*, keep_full: bool, dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "insert_reduce_scatter",
-        functools.partial(insert_reduce_scatter_pass, keep_full=keep_full),
+        functools.partial(insert_reduce_scatter_pass, keep_full=keep_full, dtype=dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

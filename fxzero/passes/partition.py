@@ -80,9 +80,9 @@ def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, persistent: frozense
     for layout, unit_node in zip(ctx.layouts, unit_nodes):
         tag(unit_node, kind="unit", unit=layout.name, sharded=layout.name not in persistent)
         some_val = by_fqn[layout.slots[0].fqn].meta.get("val")
-        if some_val is not None:
+        if some_val is not None:  # the dtype the graph computes in (mixed precision: not the master's)
             with some_val.fake_mode:
-                unit_node.meta["val"] = torch.empty(layout.padded_numel, dtype=layout.dtype)
+                unit_node.meta["val"] = torch.empty(layout.padded_numel, dtype=some_val.dtype)
         for slot in layout.slots:
             old = by_fqn[slot.fqn]
             if old.users:

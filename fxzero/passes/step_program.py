@@ -18,6 +18,14 @@ A state on the device is a placeholder instead of a fetch (the unit's shard `uni
 the persistence threshold) updates this rank's slice of its full buffer and then gathers every
 rank's slice into it: `wait(all_gather_into(unit_u, "u", world))`.
 
+[Note: master and low]
+With mixed precision a unit's parameters live twice on this rank: the fp32 master shard, which
+AdamW updates with its fp32 moments (the placeholder `unit_u`), and the copy in the compute dtype
+that the forward and backward gather (`low_unit_u`: this rank's shard, or a unit held whole's full
+buffer). After the update the master is cast into it, once per step and on the shard only
+(`cast_into(low_unit_u, unit_u, "u")`); a unit held whole then gathers every rank's slice of it, in
+the compute dtype.
+
 [Note: gradients carried into the step]
 The backward's last reduce-scatters (the embedding's, issued after the last compute) would
 otherwise be waited for at the backward's end with nothing left to overlap them. Instead the
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -111,13 +120,16 @@ def _fake(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, str], lookahead: int,
-                      persistent: frozenset[str]) -> PassResult:
+                      persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None) -> PassResult:
     """Build `ctx.programs["step"]`; move the backward's trailing gradient waits into it.
 
     Args:
         tiers: state kind -> tier, for the states placed off the device.
         lookahead: units whose states are read ahead of the one being updated.
         persistent: units held whole for the whole step.
+        low_dtype: mixed precision's compute dtype: the unit's parameters are an fp32 master
+            shard (what AdamW updates) and a copy in this dtype (what the forward gathers),
+            cast from the master after the update ([Note: master and low] above).
     """
     backward = ctx.programs["backward"]
     in_backward = frozenset(ctx.outputs.get("updated_in_backward", ()))
@@ -137,10 +149,17 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
     for lay in units:
         whole = lay.name in persistent
         on_tier = fetched(lay)
-        if "param" not in on_tier:
-            numel = lay.padded_numel if whole else lay.shard_numel
+        numel = lay.padded_numel if whole else lay.shard_numel
+        if "param" not in on_tier and low_dtype is None:
             resident["param", lay.name] = b.placeholder(
                 unit_placeholder_name(lay.name), "unit", ("unit", lay.name), lay.name, _fake(numel, lay.dtype), sharded=not whole)
+        elif "param" not in on_tier:  # the master is this rank's shard even for a unit held whole
+            resident["param", lay.name] = b.placeholder(
+                unit_placeholder_name(lay.name), "unit", ("unit", lay.name), lay.name,
+                _fake(lay.shard_numel, lay.dtype), sharded=True)
+            resident["low", lay.name] = b.placeholder(
+                "low_" + unit_placeholder_name(lay.name), "unit", ("low", lay.name), lay.name,
+                _fake(numel, low_dtype), sharded=not whole)
         if "grad" not in on_tier:
             resident["grad", lay.name] = b.placeholder(
                 grad_names[lay.name], "grad", ("grad", lay.name), lay.name, _fake(lay.shard_numel, lay.dtype),
@@ -169,8 +188,12 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
                 value["grad"] = b.wait(value["grad"], u)
             b.call("adamw", (value["param"], value["grad"], value["exp_avg"], value["exp_avg_sq"], u),
                    "optim_step", u)
+            gathered = value["param"]
+            if "low" in value:
+                b.call("cast_into", (value["low"], value["param"], u), "cast", u)
+                gathered = value["low"]
             if u in persistent:
-                b.wait(b.call("all_gather_into", (value["param"], u, ctx.world_size), "all_gather", u), u)
+                b.wait(b.call("all_gather_into", (gathered, u, ctx.world_size), "all_gather", u), u)
             if "grad" in reads[u]:
                 b.call("free", (value["grad"],), "free", u)  # consumed by the update
             writes[u] = [(b.call("offload", (value[k], u, k), "offload", u, state=k, tier=tiers[k]), value[k])
@@ -187,10 +210,12 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
     return PassResult(gm, changed=bool(carried), summary=summary)
 
 
-def make(*, tiers: dict[str, str], lookahead: int, persistent: frozenset[str]) -> Pass:
+def make(*, tiers: dict[str, str], lookahead: int, persistent: frozenset[str],
+         low_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_program",
-        functools.partial(step_program_pass, tiers=tiers, lookahead=lookahead, persistent=persistent),
+        functools.partial(step_program_pass, tiers=tiers, lookahead=lookahead, persistent=persistent,
+                          low_dtype=low_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

@@ -110,9 +110,14 @@ class Engine:
     def _bind(self, runner: ProgramRunner, program, values: dict[str, Any]) -> dict[str, Any]:
         """The program's inputs by placeholder name, from what each placeholder is (its key)."""
         env = {}
+        step = program.name == "step"
         for name, (kind, key) in zip(runner.program.inputs, program.inputs):
-            if kind == "unit":
-                env[name] = self.state.params.get(key)  # None: the shard is on a tier, fetched by the program
+            if kind == "unit" and step:  # what AdamW updates: the (master) parameters
+                env[name] = self.state.params.get(key)
+            elif kind == "unit":  # what the model computes with; None: the shard is on a tier
+                env[name] = self.state.compute_params(key)
+            elif kind == "low":
+                env[name] = self.state.low[key]
             elif kind == "buffer":
                 env[name] = self.state.buffers[key]
             elif kind == "grad":
@@ -193,6 +198,8 @@ class Engine:
         if ins.buffer == "persistent":  # the unit's full buffer: this rank's slice is its shard
             lo, hi = layout.shard_range(self.rank)
             param = param[lo:hi]
+        if grad.dtype != param.dtype:  # gradients reduced in the compute dtype (MixedPrecision(reduce_dtype=None))
+            grad = grad.to(param.dtype)
         adam = AdamWState(exp_avg, exp_avg_sq, self.state.steps.get(ins.unit, 0))
         adamw_step(param, grad, adam, self.config.optimizer, layout.shard_ranges(self.rank, skip=gradless))
         self.state.steps[ins.unit] = adam.step

@@ -228,6 +228,19 @@ class ProgramRunner:
         update, reads = self.update, ins.reads
         return lambda env: update(ins, *(env[r] for r in reads))
 
+    def _cast(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
+        low_name, master_name = ins.reads
+        rank, world = self.comm.rank, self.comm.world_size
+
+        def cast(env: dict) -> None:
+            low, master = env[low_name], env[master_name]
+            if ins.buffer == "persistent":  # the unit's whole buffer: this rank's slice of it
+                n = low.numel() // world
+                low = low[rank * n : (rank + 1) * n]
+            low.copy_(master)
+
+        return cast
+
     def _wait(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         (src,) = ins.reads
         if src in self._inputs:

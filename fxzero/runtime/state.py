@@ -50,6 +50,17 @@ class RankState:
     """AdamW's (exp_avg, exp_avg_sq) of the units whose optimizer states live on the device."""
     steps: dict[str, int] = dataclasses.field(default_factory=dict)
     """AdamW's step count per unit (wherever its moments live)."""
+    low: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Mixed precision: per unit, the copy of its parameters in the compute dtype that the forward
+    and backward read and gather (this rank's shard, or a unit held whole's full buffer); then
+    `params` holds the fp32 master shards, a shard even for a unit held whole. Empty in fp32."""
+
+    def compute_params(self, unit: str) -> Optional[torch.Tensor]:
+        """What the forward and backward read for `unit` (None: its shard is on a tier)."""
+        return self.low[unit] if self.low else self.params.get(unit)
+
+    def master_is_whole(self, unit: str) -> bool:
+        return unit in self.whole and not self.low
 
     def layout(self, unit: str) -> UnitLayout:
         return next(lay for lay in self.layouts if lay.name == unit)
@@ -77,7 +88,7 @@ class RankState:
         """
         full: dict[str, torch.Tensor] = {}
         for layout in self.layouts:
-            if layout.name in self.whole:
+            if self.master_is_whole(layout.name):
                 flat = self.params[layout.name]
             else:
                 shard = self.params.get(layout.name)
@@ -99,18 +110,20 @@ class RankState:
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds now, by category (gradients in flight are settled first).
 
-        param_shards counts all parameter storage, of which persistent_params is held whole.
+        param_shards counts all parameter storage (with mixed precision: the fp32 master shards and
+        the low-precision copies), of which persistent_params is held whole.
         Categories count resident memory only; `offloaded` is bytes per storage tier. Counted
         from the storages held (a view of a larger buffer counts the whole buffer), not
         estimated from sizes.
         """
         self.settle_grads()
-        params = storage_bytes(self.params.values())
+        params = storage_bytes([*self.params.values(), *self.low.values()])
         grads = storage_bytes(self.grads.values())
         optim = storage_bytes(t for moments in self.moments.values() for t in moments)
+        held_whole = self.low if self.low else self.params
         return {
             "param_shards": params,
-            "persistent_params": storage_bytes(t for u, t in self.params.items() if u in self.whole),
+            "persistent_params": storage_bytes(t for u, t in held_whole.items() if u in self.whole),
             "grad_shards": grads,
             "optimizer_states": optim,
             "model_states": params + grads + optim,

@@ -19,6 +19,7 @@ from fxzero.ir.instruction import ASYNC, Instruction
 from fxzero.ir.layout import UnitLayout
 from fxzero.ir.lower import instruction_of, is_fetched_shard
 from fxzero.ir.program import Program
+from fxzero.ir.sizes import itemsize_of
 from fxzero.ir.tags import kind, output_node
 from fxzero.schedule.types import SCHEDULE_VERSION, Kept, ProgramSchedule, Schedule
 from fxzero.schedule.validate import fingerprint_of, validate
@@ -87,7 +88,7 @@ def _kept(node: fx.Node, layouts: dict[str, UnitLayout]) -> Kept:
     layout = layouts[node.meta["fxzero"]["unit"]]
     if is_fetched_shard(node):
         return Kept(node.name, "fetched", layout.name, layout.shard_numel * layout.itemsize)
-    return Kept(node.name, "gathered", layout.name, layout.padded_numel * layout.itemsize)
+    return Kept(node.name, "gathered", layout.name, layout.padded_numel * itemsize_of(node, layout.itemsize))
 
 
 def _program_schedule(program: Program, layouts: dict[str, UnitLayout]) -> ProgramSchedule:
