@@ -22,7 +22,7 @@ import torch.nn as nn
 from fxzero import cost
 from fxzero.compiler import compile_program, plan_layouts
 from fxzero.config import Config
-from fxzero.config.effects import ineffective_settings, warn_ineffective
+from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
 from fxzero.runtime.comm import make_comm
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
@@ -72,6 +72,7 @@ def compile(
     seeded = state_dict is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
+    warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)
     cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
     layouts = plan_layouts(model, config, comm.world_size, cost_model)
     whole = persistent_units(config, layouts)  # units held whole, not sharded

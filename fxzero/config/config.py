@@ -103,6 +103,14 @@ class Config:
                 "Config(mixed_precision=...) with offloaded parameters (Offload(params=...)) is not supported yet: "
                 "keep the parameters on the device (offloading the optimizer states works), or train in fp32"
             )
+        mp = self.mixed_precision
+        if mp is not None and mp.loss_scale is not None and (self.offload.offloaded("grad") or self.offload.step_in_backward):
+            raise ValueError(
+                "Config(mixed_precision=MixedPrecision(param_dtype=torch.float16)) checks every step's gradients "
+                "for overflow before anything is updated, so its gradients must stay on the device and its "
+                "updates in step(): drop Offload(grads=..., step_in_backward=True), keep grads=Device(), or use "
+                "bfloat16"
+            )
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
 

@@ -26,6 +26,7 @@ from fxzero.ir.instruction import Instruction
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
 from fxzero.runtime.optim import AdamWState, adamw_step
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
@@ -75,6 +76,14 @@ class Engine:
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
+        mp = config.mixed_precision
+        self._scaler = LossScaler(mp.loss_scale) if mp is not None and mp.loss_scale is not None else None
+        self._loss_flag: Optional[tuple[Any, torch.Tensor]] = None  # [Note: one flag per step]
+        self._inv_scale = 1.0  # the gradients' unscaling factor in the step being taken
+        self.steps_taken = 0
+        """Calls of step() so far, skipped ones included."""
+        self.skipped_steps = 0
+        """Steps skipped because float16 gradients overflowed (on every rank alike)."""
 
     # -- programs --------------------------------------------------------------------------
 
@@ -187,7 +196,49 @@ class Engine:
                 f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
                 "engine's outputs (it does not require grad: was it computed under no_grad?)"
             )
+        if self._scaler is not None:  # float16: gradients of the scaled loss (checked in step())
+            (loss.float() * self._scaler.scale).backward()
+            return
+        # [Note: one flag per step] in runtime/loss_scale.py: reduced ahead of the backward's collectives.
+        flag = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+        self._loss_flag = (self.comm.all_reduce(flag, count=False), flag)
         loss.backward()
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The float16 loss scale the next backward multiplies the loss by (None without scaling)."""
+        return self._scaler.scale if self._scaler is not None else None
+
+    def _nonfinite_error(self, what: str) -> RuntimeError:
+        self.state.settle_grads()
+        unit = first_nonfinite((lay.name, self.state.grads.get(lay.name)) for lay in self.layouts)
+        where = (f"the first unit whose gradient is not finite on this rank is {unit!r}" if unit is not None
+                 else "this rank's gradients are finite (another rank's are not)")
+        return RuntimeError(f"[rank {self.rank}] step {self.steps_taken + 1}: {what}; {where}. Lower the learning "
+                            "rate, check the inputs of this step, or (float16) use bfloat16")
+
+    def _agree_on_gradients(self) -> bool:
+        """Whether every rank may update this step ([Note: one flag per step]); False: skip it."""
+        if self._scaler is None:
+            pending, self._loss_flag = self._loss_flag, None
+            if pending is not None and pending[0].wait().item() > 0:
+                raise self._nonfinite_error("the loss is not finite on some rank")
+            self._inv_scale = 1.0
+            return True
+        self.state.settle_grads()
+        bad = first_nonfinite(self.state.grads.items()) is not None
+        flag = torch.tensor([1.0 if bad else 0.0])
+        overflow = self.comm.all_reduce(flag, count=False).wait().item() > 0
+        scale = self._scaler.scale
+        self._scaler.update(overflow)
+        if not overflow:
+            self._inv_scale = 1.0 / scale
+            return True
+        if self._scaler.is_stuck:
+            raise self._nonfinite_error(
+                f"the float16 loss scale is stuck at its minimum {self._scaler.policy.min_scale:g}: "
+                f"{self._scaler.policy.window} steps in a row overflowed")
+        return False
 
     # -- optimizer step --------------------------------------------------------------------
 
@@ -200,13 +251,19 @@ class Engine:
             param = param[lo:hi]
         if grad.dtype != param.dtype:  # gradients reduced in the compute dtype (MixedPrecision(reduce_dtype=None))
             grad = grad.to(param.dtype)
+        if self._inv_scale != 1.0:  # float16: the gradients of the scaled loss
+            grad = grad.mul(self._inv_scale)
         adam = AdamWState(exp_avg, exp_avg_sq, self.state.steps.get(ins.unit, 0))
         adamw_step(param, grad, adam, self.config.optimizer, layout.shard_ranges(self.rank, skip=gradless))
         self.state.steps[ins.unit] = adam.step
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this rank's shard of every trainable unit, then clear the gradients."""
+        """AdamW on this rank's shard of every trainable unit, then clear the gradients.
+
+        With float16 loss scaling a step whose gradients overflowed on any rank is skipped on every
+        rank (`skipped_steps`); a non-finite loss (bfloat16, fp32) is an error on every rank.
+        """
         if self._last is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         runner = self._last.step
@@ -217,7 +274,11 @@ class Engine:
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
-        runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
+        if self._agree_on_gradients():
+            runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
+        else:
+            self.skipped_steps += 1
+        self.steps_taken += 1
         grads.clear()
 
     def zero_grad(self) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
+from fxzero.config.effects import SlowSetting
 from fxzero import zoo
 from tests.dist.harness import ADAMW, run_ranks, train
 from tests.dist.reference import (
@@ -213,3 +214,159 @@ def test_model_states_are_the_mixed_precision_arithmetic(states4, stage):
         # fp32 reduction holds 4-byte gradients (the flat gradient at stage 1, the shard at 2 and 3).
         grads = 4 * padded if stage == 1 else 4 * shard
         assert rank[(stage, "fp32")]["grad_shards"] == grads
+
+
+# ---------------------------------------------------------------------------------------------
+# float16: dynamic loss scaling, an injected overflow, a stuck scale; non-finite losses
+
+
+FP16_STEPS = 6
+OVERFLOW_AT = 2  # the third step: rank 1's loss is made to overflow
+SCALE0 = 2.0 ** 8
+"""Low enough that only the injected overflow overflows (at 2**16 this model's first steps do)."""
+FP16 = fxzero.MixedPrecision(param_dtype=torch.float16,
+                             loss_scale=fxzero.LossScale(initial_scale_power=8, hysteresis=1, window=1000))
+
+
+def _tiny():
+    return zoo.build("gpt-tiny", n_blocks=1)  # float16 matmuls are slow on this CPU: keep them tiny
+
+
+@functools.cache
+def _tiny_initial() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return clone_state_dict(_tiny())
+
+
+def _injected(step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
+    return loss * 1e30 if (step, rank) == (OVERFLOW_AT, 1) else loss
+
+
+def eager_fp16_reference(world_size: int) -> dict[str, Any]:
+    """GradScaler-style float16: scaled loss, fp32 masters, a step skipped on overflow anywhere."""
+    model = _tiny()
+    model.load_state_dict(_tiny_initial())
+    masters = {n: p.detach().clone().float().requires_grad_(True) for n, p in model.named_parameters()}
+    model = model.to(torch.float16)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(masters.values(), **ADAMW)
+    scale, losses, scales = SCALE0, [], []
+    for step, (x, y) in enumerate(_batches()[:FP16_STEPS]):
+        grads: dict[str, torch.Tensor] = {}
+        step_losses = []
+        for rank in range(world_size):
+            loss = _injected(step, rank, lm_loss(model(rank_slice(x, rank, world_size)).float(), rank_slice(y, rank, world_size)))
+            model.zero_grad()
+            (loss * scale).backward()
+            step_losses.append(loss.item())
+            for n, p in params.items():
+                g = p.grad.float()
+                grads[n] = grads[n] + g if n in grads else g
+        if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            scale /= 2  # hysteresis 1: the first overflow halves it
+        else:
+            for n, m in masters.items():
+                m.grad = grads[n] / world_size / scale
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(masters[n])
+        losses.append(sum(step_losses) / world_size)
+        scales.append(scale)
+    return {"losses": losses, "scales": scales}
+
+
+def _train_fp16(rank: int, world_size: int) -> dict[str, Any]:
+    cfg = fxzero.Config(optimizer=fxzero.AdamW(**ADAMW), cost_model=None, mixed_precision=FP16)
+    with torch.device("meta"):
+        model = _tiny()
+    with pytest.warns(SlowSetting, match="float16 matmuls"):
+        engine = fxzero.compile(model, cfg, state_dict=_tiny_initial())
+    losses, scales, skipped = [], [], []
+    for step, (x, y) in enumerate(_batches()[:FP16_STEPS]):
+        loss = _injected(step, rank, lm_loss(engine(rank_slice(x, rank, world_size)).float(), rank_slice(y, rank, world_size)))
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world_size)
+        scales.append(engine.loss_scale)
+        skipped.append(engine.skipped_steps)
+    return {"losses": losses, "scales": scales, "skipped": skipped}
+
+
+def _stuck(rank: int, world_size: int) -> str:
+    policy = fxzero.LossScale(initial_scale_power=1, hysteresis=1, window=3, min_scale=1.0)
+    cfg = fxzero.Config(cost_model=None, mixed_precision=fxzero.MixedPrecision(param_dtype=torch.float16, loss_scale=policy))
+    with torch.device("meta"):
+        model = _tiny()
+    engine = fxzero.compile(model, cfg, state_dict=_tiny_initial())
+    x, y = _batches()[0]
+    for _ in range(10):
+        loss = lm_loss(engine(rank_slice(x, rank, world_size)).float(), rank_slice(y, rank, world_size))
+        engine.backward(loss * float("inf") if rank == 0 else loss)  # rank 0 overflows whatever the scale
+        try:
+            engine.step()
+        except RuntimeError as e:
+            return f"{engine.steps_taken} {engine.skipped_steps}: {e}"
+    return "no error"
+
+
+def _nan_loss(rank: int, world_size: int) -> list[str]:
+    out = []
+    for mp in (None, BF16):
+        cfg = fxzero.Config(cost_model=None, mixed_precision=mp)
+        with torch.device("meta"):
+            model = _tiny()
+        engine = fxzero.compile(model, cfg, state_dict=_tiny_initial())
+        for step, (x, y) in enumerate(_batches()[:3]):
+            loss = lm_loss(engine(rank_slice(x, rank, world_size)).float(), rank_slice(y, rank, world_size))
+            if step == 1 and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            try:
+                engine.step()
+            except RuntimeError as e:
+                out.append(str(e))
+                break
+        else:
+            out.append("no error")
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_runs() -> dict[str, list]:
+    return {"train": run_ranks(_train_fp16, WORLD, timeout_s=280), "stuck": run_ranks(_stuck, WORLD, timeout_s=200),
+            "nan": run_ranks(_nan_loss, WORLD, timeout_s=200)}
+
+
+def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank_and_halves_the_scale(fp16_runs):
+    ref = eager_fp16_reference(WORLD)
+    for rank in fp16_runs["train"]:
+        assert rank["skipped"] == [0] * OVERFLOW_AT + [1] * (FP16_STEPS - OVERFLOW_AT)
+        assert rank["scales"] == ref["scales"] == [SCALE0] * OVERFLOW_AT + [SCALE0 / 2] * (FP16_STEPS - OVERFLOW_AT)
+    got = fp16_runs["train"][0]["losses"]
+    clean = [i for i in range(FP16_STEPS) if i != OVERFLOW_AT]
+    assert _relative([got[i] for i in clean], [ref["losses"][i] for i in clean]) <= TRACK_BF16, (got, ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0], "the reference must learn after the skipped step"
+
+
+def test_a_scale_stuck_at_its_minimum_is_an_error_on_every_rank(fp16_runs):
+    for rank, message in enumerate(fp16_runs["stuck"]):
+        # Scale 2 -> 1 on the first overflow (skipped), two more at the minimum (skipped), and the
+        # third step in a row at the minimum is the error: 3 steps taken, 3 skipped.
+        assert message.startswith("3 3: "), message
+        assert f"[rank {rank}] step 4: the float16 loss scale is stuck at its minimum 1" in message
+        assert "3 steps in a row overflowed" in message
+    assert "the first unit whose gradient is not finite on this rank is" in fp16_runs["stuck"][0]
+
+
+def test_a_nan_loss_is_an_error_on_every_rank_naming_the_step_and_unit(fp16_runs):
+    for rank, messages in enumerate(fp16_runs["nan"]):
+        assert len(messages) == 2  # fp32, then bf16
+        for message in messages:
+            assert message.startswith(f"[rank {rank}] step 2: the loss is not finite on some rank"), message
+        # The NaN spreads through the reduction: every rank's shards of the first unit hold it.
+        assert all("the first unit whose gradient is not finite on this rank is 'root'" in m for m in messages)

@@ -1,0 +1,77 @@
+"""Loss scaling for float16, and the check that a step's gradients are finite on every rank.
+
+[Note: one flag per step]
+Every rank must agree whether a step's update happens: a rank that skipped (float16 overflow)
+or stopped (a NaN loss) while the others went on would leave them waiting in the next collective.
+So each step reduces one flag over the ranks (a 1-element all-reduce, not counted in
+comm_report) and every rank acts on the sum:
+
+- bfloat16 and fp32: the flag is whether this rank's loss is finite, known before the backward
+  starts; it is reduced right then, ahead of the backward's collectives, so its tiny round trip
+  overlaps the backward and the step does not wait for the gradients still in flight. A
+  non-finite loss anywhere is an error on every rank, naming the step and the first unit whose
+  gradient is not finite on this rank.
+- float16: the flag is whether any of this rank's gradient shards holds an inf or a NaN (an
+  overflow of the scaled loss), known once they are reduced; the step is skipped on every rank
+  alike and the scale backs off (`LossScaler`). A scale stuck at its minimum for `window`
+  overflowing steps in a row is an error, not an endless loop of skipped steps.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from fxzero.config.precision import LossScale
+
+__all__ = ["LossScaler", "first_nonfinite"]
+
+
+class LossScaler:
+    """DeepSpeed's dynamic loss scaler (`DynamicLossScaler`), for one run.
+
+    On an overflow the scale halves once `hysteresis` overflows have happened since it last
+    changed (never below `min_scale`); after `window` steps without an overflow it doubles and
+    the hysteresis is restored. A static scale never changes.
+    """
+
+    def __init__(self, policy: LossScale) -> None:
+        self.policy = policy
+        self.scale = policy.initial
+        self._hysteresis = policy.hysteresis
+        self._clean = 0  # steps since the last overflow (or the last growth)
+        self.stuck = 0
+        """Overflowing steps in a row at the minimum scale."""
+
+    def update(self, overflow: bool) -> None:
+        p = self.policy
+        if p.static is not None:
+            return
+        if overflow:
+            self._clean = 0
+            at_min = self.scale <= p.min_scale
+            if self._hysteresis <= 1:
+                self.scale = max(self.scale / 2, p.min_scale)
+            else:
+                self._hysteresis -= 1
+            self.stuck = self.stuck + 1 if at_min else 0
+            return
+        self.stuck = 0
+        self._clean += 1
+        if self._clean >= p.window:
+            self.scale *= 2
+            self._clean = 0
+            self._hysteresis = p.hysteresis
+
+    @property
+    def is_stuck(self) -> bool:
+        return self.policy.static is None and self.stuck >= self.policy.window
+
+
+def first_nonfinite(grads: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
+    """The first unit (in the order given) whose gradient holds an inf or a NaN."""
+    for unit, grad in grads:
+        if isinstance(grad, torch.Tensor) and grad.numel() and not bool(torch.isfinite(grad).all()):
+            return unit
+    return None
