@@ -259,8 +259,26 @@ def _owners(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     return owner
 
 
-def graph_record(gm: fx.GraphModule, root_unit: str) -> dict:
-    """One JSON record per node of the rewritten joint graph."""
+STEP_PREFIX = "step/"
+"""The step program's nodes are recorded after the joint graph's, their names prefixed."""
+
+
+def graph_record(gm: fx.GraphModule, root_unit: str, step: Optional[fx.GraphModule] = None) -> dict:
+    """One JSON record per node of the rewritten joint graph, then of the step program (if given:
+    its nodes named `step/<name>`, phase "step")."""
+    records = _records(gm, root_unit)
+    if step is not None:
+        for rec in _records(step, root_unit):
+            if rec["op"] == "output":
+                continue
+            rec["name"] = STEP_PREFIX + rec["name"]
+            rec["inputs"] = [STEP_PREFIX + i for i in rec["inputs"]]
+            rec["phase"] = "step"
+            records.append(rec)
+    return {"nodes": records}
+
+
+def _records(gm: fx.GraphModule, root_unit: str) -> list[dict]:
     nodes = list(gm.graph.nodes)
     owners = _owners(nodes)
     records = []
@@ -282,8 +300,10 @@ def graph_record(gm: fx.GraphModule, root_unit: str) -> dict:
         }
         if "fqn" in meta:
             rec["fqn"] = meta["fqn"]
+        if meta.get("cast"):  # a flatten that casts the gradients to the reduce dtype
+            rec["cast"] = True
         records.append(rec)
-    return {"nodes": records}
+    return records
 
 
 def memory_record(compiled, stage: int) -> dict:
@@ -350,7 +370,7 @@ def record(
         manifest=manifest,
         schedule=schedule,
         pass_trace=[r.to_json() for r in compiled.pass_trace],
-        graph=graph_record(compiled.joint, root_unit),
+        graph=graph_record(compiled.joint, root_unit, compiled.programs["step"].gm if "step" in compiled.programs else None),
         memory=memory_record(compiled, schedule.stage),
         code=compiled.joint.code,
     )

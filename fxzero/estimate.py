@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Literal, Optional
 
-from fxzero.config import Offload
+from fxzero.config import MixedPrecision, Offload
 from fxzero.ir.layout import UnitLayout
 
 __all__ = [
@@ -116,27 +116,37 @@ def runtime_model_states(
     precision: Precision = "fp32",
     *,
     persistent: frozenset[str] = frozenset(),
+    mixed_precision: Optional[MixedPrecision] = None,
 ) -> ModelStates:
     """Per-rank model states as fxzero's runtime allocates them for these unit layouts.
 
     With precision "fp32" the bytes per element are the layouts' own dtype (what the runtime
-    really holds); with "mixed" they are the paper's 2 + 2 + 12, on the same padded layouts.
-    Stage 0 (no ZeRO) counts every parameter once, unpadded, as plain data parallelism does.
+    really holds); with "mixed" they are what the engine holds under `mixed_precision` (default
+    `MixedPrecision(reduce_dtype=None)`, the paper's 2 + 2 + 12: the low-precision copy, the
+    gradient in the reduce dtype, the fp32 master and two moments), on the same padded layouts.
+    A frozen unit keeps its fp32 values beside its low-precision copy (what its state dict is
+    made from), counted with the parameters. Stage 0 (no ZeRO) counts every parameter once,
+    unpadded, as plain data parallelism does.
     """
     _check(stage, precision)
+    if precision == "mixed" and mixed_precision is None:
+        mixed_precision = MixedPrecision(reduce_dtype=None)
     params = grads = optimizer = 0
     for u in layouts:
+        frozen_master = 0
         if precision == "fp32":
             p, g, o = u.itemsize, u.itemsize, 2 * u.itemsize
         else:
-            p, g, o = BYTES_PER_PARAM["mixed"]
+            p, g = mixed_precision.param_dtype.itemsize, mixed_precision.grad_dtype.itemsize
+            o = 3 * u.itemsize  # fp32 master, exp_avg, exp_avg_sq
+            frozen_master = 0 if u.trainable else u.itemsize
         if stage == 0:
             full = shard = u.numel
             whole_params = True
         else:
             full, shard = u.padded_numel, u.shard_numel
             whole_params = stage in (1, 2) or u.name in persistent
-        params += (full if whole_params else shard) * p
+        params += (full if whole_params else shard) * p + shard * frozen_master
         if u.trainable:
             grads += (full if stage in (0, 1) else shard) * g
             optimizer += (full if stage == 0 else shard) * o

@@ -33,6 +33,15 @@ DeepSpeed's NVMe offload is I/O bound, --model gpt-1b (~1.0B parameters, micro-b
 
     .venv-bench/bin/python tools/bench.py --model gpt-1b --rounds 1 --warmup 1 --steps 2 \
         --systems ds-zero3-offload-nvme,fxzero-offload-nvme
+
+bf16 side by side (`--systems bf16`: ddp-bf16, fsdp2-bf16, ds-zero3-bf16, floor-bf16,
+fxzero-stage3-bf16): DDP under autocast, FSDP2 with a bf16 MixedPrecisionPolicy, DeepSpeed with
+"bf16" enabled, fxzero with MixedPrecision(bf16), and the no-communication floor (each rank
+trains its own copy under autocast, all at once). Their losses are compared with ddp-bf16's at a
+bf16 tolerance; the summary gives fxzero-stage3-bf16's step against fsdp2-bf16, ds-zero3-bf16 and
+floor-bf16, and its peak RSS against fsdp2-bf16's:
+
+    .venv-bench/bin/python tools/bench.py --model small --rounds 3 --systems bf16 > bench-bf16.jsonl
 """
 
 from __future__ import annotations
@@ -52,16 +61,20 @@ from tools.bench import report  # noqa: E402
 from tools.bench.common import background_cores  # noqa: E402
 from tools.bench.launch import run_system  # noqa: E402
 from tools.bench.spec import MODEL_PRESETS, RunSpec  # noqa: E402
-from tools.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, unavailable  # noqa: E402
+from tools.bench.systems import DEFAULT_SYSTEMS, SYSTEM_GROUPS, SYSTEMS, System, expand, unavailable  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="systems: " + ", ".join(f"{n} ({s.description})" for n, s in SYSTEMS.items()),
+        epilog="systems: " + ", ".join(f"{n} ({s.description})" for n, s in SYSTEMS.items())
+        + "; groups: " + ", ".join(f"{g} ({','.join(names)})" for g, names in SYSTEM_GROUPS.items()),
     )
     parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS), help="GPT size: a zoo size or gpt-1b (~1.0B, see tools/bench/spec.py) (default: small, ~25M)")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated (default: %(default)s)")
+    parser.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS),
+        help="comma-separated systems or groups (" + ", ".join(SYSTEM_GROUPS) + ") (default: %(default)s)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default: 2)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (default: 6)")
@@ -91,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.rounds, args.warmup, args.steps, args.quiet_wait, args.retries = "tiny", 1, 1, 1, 0.0, 0
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.systems = expand([s.strip() for s in args.systems.split(",") if s.strip()])
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
@@ -195,10 +208,15 @@ def summarize(path: str, quiet_cores: float) -> int:
 def finish(runs: dict[str, list[dict]], num_params: int, model: str, missing: dict[str, str], quiet_cores: float) -> dict:
     """Emit one "system" line per system (in `runs`' order) and the "summary" line."""
     systems: dict[str, dict] = {}
-    for name in sorted(runs, key=lambda n: n != "ddp"):  # DDP first: the loss reference
-        reference = systems.get("ddp") if name != "ddp" else None
+    references = set(report.LOSS_REFERENCES.values())
+    for name in sorted(runs, key=lambda n: n not in references):  # the loss references first
+        # A saved line of a system this checkout lacks: fp32, compared with DDP.
+        system = SYSTEMS.get(name) or System("", description="(not in this checkout's system table)")
+        reference_name = report.LOSS_REFERENCES[system.precision]
+        reference = systems.get(reference_name) if name != reference_name else None
         systems[name] = report.system_line(
-            name, SYSTEMS[name].description, runs[name], reference, quiet_cores=quiet_cores
+            name, system.description, runs[name], reference, quiet_cores=quiet_cores,
+            reference_name=reference_name, precision=system.precision, trains_alike=system.trains_alike,
         )
     for name in runs:
         emit(systems[name])

@@ -15,7 +15,9 @@ from fxzero.viz.fmt import human_bytes, human_count
 __all__ = ["estimate_command", "parse_count"]
 
 STAGE_NAMES = {0: "no ZeRO (DDP)", 1: "ZeRO-1 (optimizer)", 2: "ZeRO-2 (+ gradients)", 3: "ZeRO-3 (+ parameters)"}
-PRECISIONS = {"fp32": "fp32: 4+4+8 B/param (fxzero today)", "mixed": "mixed: 2+2+12 B/param (ZeRO paper)"}
+PRECISIONS = {"fp32": "fp32: 4+4+8 B/param", "mixed": "bf16: 2+2+12 B/param"}
+"""The columns: fp32 training, and Config(mixed_precision=MixedPrecision(reduce_dtype=None)) (the
+ZeRO paper's arithmetic; the default fp32 reduction holds 4-byte gradients, 2+4+12)."""
 
 
 def parse_count(text: str) -> float:

@@ -33,8 +33,11 @@ def _mem(ranks: list[dict]) -> str:
 
 
 def _step_line(ev: dict, steps: int) -> str:
+    scale = ""  # float16 loss scaling: the scale, and the steps skipped so far on overflow
+    if ev.get("loss_scale") is not None:
+        scale = f"  loss scale {ev['loss_scale']:g}, {ev['skipped_steps']} skipped"
     return (f"step {ev['step']:>4}/{steps}  loss {ev['loss']:.4f}  {ev['seconds'] * 1e3:8.1f} ms  "
-            f"mem/rank {_mem(ev['ranks'])}")
+            f"mem/rank {_mem(ev['ranks'])}{scale}")
 
 
 class _Progress:

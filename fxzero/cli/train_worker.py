@@ -171,6 +171,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
                 "seconds": max(g[1].item() for g in gathered),
                 "ranks": [{"rank": r, "model_states": int(g[2]), "gathered_peak": int(g[3]), "peak_rss": int(g[4])}
                           for r, g in enumerate(gathered)],
+                "loss_scale": engine.loss_scale,
+                "skipped_steps": engine.skipped_steps,
             }
             steps.append(row)
             _emit("step", **row)

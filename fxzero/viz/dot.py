@@ -1,6 +1,6 @@
 """The rewritten program as a graphviz DOT drawing.
 
-Layout: two top-level clusters, the forward program and the backward program, side by side
+Layout: top-level clusters, the forward, the backward and the step program, side by side
 (edges from forward values to their backward readers, the saved activations, do not constrain
 the layout, so the backward is drawn beside the forward, not under it). Inside each, one
 cluster per unit holds the nodes of that unit in that program. Nodes are coloured by kind
@@ -22,7 +22,7 @@ from fxzero.viz.fmt import human_bytes
 
 __all__ = ["KIND_STYLE", "PHASES", "to_dot"]
 
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "step")
 
 # kind -> (fill colour, font colour, shape, legend label)
 KIND_STYLE: dict[str, tuple[str, str, str, str]] = {
@@ -35,14 +35,19 @@ KIND_STYLE: dict[str, tuple[str, str, str, str]] = {
     "reduce_scatter": ("#f28e2b", "#ffffff", "box", "reduce-scatter"),
     "fetch": ("#59a14f", "#ffffff", "box", "fetch"),
     "offload": ("#9c6ab5", "#ffffff", "box", "offload"),
+    "optim_step": ("#4e9a8f", "#ffffff", "box", "AdamW step"),
+    "cast": ("#edc948", "#3d2f00", "box", "cast"),
     "unit": ("#f1ce63", "#3d2f00", "cylinder", "unit shard"),
     "buffer": ("#d9d9d9", "#222222", "cylinder", "buffer"),
     "input": ("#ffffff", "#222222", "ellipse", "input"),
     "grad_output": ("#ffffff", "#222222", "ellipse", "grad output"),
+    "grad": ("#ffd5a8", "#4a2a00", "cylinder", "gradient shard"),
+    "optim_state": ("#c7e0dc", "#1f3d39", "cylinder", "optimizer state"),
     "output": ("#dddddd", "#222222", "ellipse", "output"),
 }
-IR_KINDS = ("all_gather", "wait", "free", "flatten_grads", "reduce_scatter", "fetch", "offload", "unit")
-PHASE_FILL = {"forward": "#eef4fb", "backward": "#fdf1ea"}
+IR_KINDS = ("all_gather", "wait", "free", "flatten_grads", "reduce_scatter", "fetch", "offload", "unit",
+            "optim_step", "cast")
+PHASE_FILL = {"forward": "#eef4fb", "backward": "#fdf1ea", "step": "#eef7ee"}
 EDGE_COLOUR = {"all_gather": "#2f6db5", "reduce_scatter": "#f28e2b", "free": "#e15759",
                "fetch": "#59a14f", "offload": "#9c6ab5"}
 
@@ -67,9 +72,13 @@ def _short_target(target: str) -> str:
 
 def _label(n: dict, unit_bytes: dict[str, int]) -> str:
     kind = n["kind"]
+    if kind == "flatten_grads" and n.get("cast"):
+        return f"flatten + cast to {n.get('dtype')}\n{n.get('unit')}"
     if kind in ("all_gather", "reduce_scatter", "flatten_grads", "fetch", "offload"):
         size = unit_bytes.get(n.get("unit"))
         return f"{KIND_STYLE.get(kind, KIND_STYLE['compute'])[3]}\n{n.get('unit')}" + (f"\n{human_bytes(size)}" if size else "")
+    if kind in ("optim_step", "cast", "grad", "optim_state"):
+        return f"{KIND_STYLE[kind][3]}\n{n.get('unit')}"
     if kind in ("wait", "free"):
         return kind
     if kind == "param_view":
@@ -178,7 +187,7 @@ def to_dot(
         return f"{indent}{_q(key)} {_attrs(label=_label(n, unit_bytes), tooltip=n['name'] + ' = ' + n['target'], **_node_style(n['kind']))};"
 
     # Emitted backward first: dot then lays the forward program out on the left.
-    for phase in ("backward", "forward", None):
+    for phase in ("step", "backward", "forward", None):
         keys_by_unit = [(owner, keys) for (p, owner), keys in placed.items() if p == phase]
         if not keys_by_unit:
             continue
@@ -210,8 +219,9 @@ def to_dot(
         for a, b in zip(chain, chain[1:]):
             lines.append(f"  {_q(a)} -> {_q(b)} [style=invis, weight=4];")
         heads += chain[:1]
-    if len(heads) == 2:
-        lines.append(f"  {{rank=same; {_q(heads[0])} -> {_q(heads[1])} [style=invis];}}")
+    if len(heads) >= 2:
+        chain = " -> ".join(_q(h) for h in heads)
+        lines.append(f"  {{rank=same; {chain} [style=invis];}}")
 
     # Edges between drawn nodes (deduplicated when collapsed); sources outside a --unit view
     # appear as small grey nodes.

@@ -104,3 +104,24 @@ def test_runtime_accounting_matches_a_world_of_one_engine():
     states = estimate.runtime_model_states(engine.layouts, 3)
     engine.backward(engine(x).square().mean())  # gradients held again, optimizer states exist
     assert engine.memory_report()["model_states"] == states.total
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32], ids=["bf16-reduce", "fp32-reduce"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mixed_accounting_is_what_a_bf16_engine_holds(stage, reduce_dtype):
+    import fxzero
+
+    mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model("gpt-tiny")
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, cost_model=None, mixed_precision=mp))
+    (x,) = model.example_inputs()
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    engine.backward(engine(x).float().square().mean())  # gradients held again, optimizer states exist
+    states = estimate.runtime_model_states(engine.layouts, stage, "mixed", mixed_precision=mp)
+    assert engine.memory_report()["model_states"] == states.total
+    phi = sum(u.numel for u in engine.layouts)  # a world of one: no padding
+    grad_bytes = 2 if reduce_dtype is None else 4
+    assert states.total == (2 + grad_bytes + 12) * phi

@@ -160,3 +160,187 @@ def test_summarize_pools_the_kept_runs_of_every_round(tmp_path):
     assert summary["loss_max_abs_dev_vs_ddp"] == pytest.approx({"fsdp2": 1e-7, "fxzero-stage3": 0.1}, rel=1e-6)
     assert summary["loss_max_rel_dev_vs_ddp"]["fxzero-stage3"] == pytest.approx(0.1 / 1.5, rel=1e-6)
     assert summary["losses_agree"] is False and summary["failed"] == []
+
+
+# --- bf16 variants -------------------------------------------------------------------------
+
+
+def test_bf16_systems_are_in_the_table_and_a_group():
+    assert systems.expand(["bf16"]) == list(systems.BF16_SYSTEMS) == [
+        "ddp-bf16", "fsdp2-bf16", "ds-zero3-bf16", "floor-bf16", "fxzero-stage3-bf16",
+    ]
+    assert systems.expand(["ddp", "bf16", "ddp-bf16"]) == ["ddp", *systems.BF16_SYSTEMS]  # each once
+    assert systems.expand(["default"]) == list(systems.DEFAULT_SYSTEMS)
+    for name in systems.BF16_SYSTEMS:
+        assert systems.SYSTEMS[name].precision == "bf16", name
+    assert systems.SYSTEMS["floor-bf16"].trains_alike is False and systems.SYSTEMS["floor"].trains_alike is False
+    assert systems.SYSTEMS["ddp"].precision == "fp32" and systems.SYSTEMS["ddp"].trains_alike
+    assert systems.SYSTEMS["ddp-bf16"].options == {"autocast": "bf16"}
+    assert systems.SYSTEMS["fsdp2-bf16"].options == {"mixed_precision": "bf16"}
+    assert systems.SYSTEMS["ds-zero3-bf16"].options == {"offload": None, "bf16": True}
+    assert systems.SYSTEMS["fxzero-stage3-bf16"].options["config"] == {"mixed_precision": "bf16"}
+
+
+def test_make_config_maps_mixed_precision_names():
+    import fxzero
+    from tools.bench.fxzero_engine import MIXED_PRECISION, make_config
+
+    spec = RunSpec(model="tiny", batch=1)
+    config = make_config(spec, {"mixed_precision": "bf16"})
+    assert config.mixed_precision == fxzero.MixedPrecision(param_dtype=torch.bfloat16)
+    assert config.mixed_precision.param_dtype is torch.bfloat16
+    assert config.mixed_precision.reduce_dtype is torch.float32  # MixedPrecision's default
+    assert config.stage == 3 and config.seed == spec.seed
+    assert make_config(spec, {}).mixed_precision is None  # fp32 systems: Config's default
+    assert make_config(spec, {"mixed_precision": None}).mixed_precision is None
+    assert set(MIXED_PRECISION) == {"bf16"}
+    for bad in ("bfloat16", "fp8", torch.bfloat16):
+        with pytest.raises(ValueError, match="mixed_precision"):
+            make_config(spec, {"mixed_precision": bad})
+    # the same as the system table sees it, before any rank starts
+    assert systems.unavailable("fxzero-stage3-bf16", spec) is None
+
+
+def test_unknown_mixed_precision_name_makes_a_system_unavailable(monkeypatch):
+    monkeypatch.setitem(
+        systems.SYSTEMS, "fxzero-fp8",
+        systems.System("fxzero_engine", {"config": {"mixed_precision": "fp8"}}, precision="bf16"),
+    )
+    reason = systems.unavailable("fxzero-fp8", RunSpec(model="tiny", batch=1))
+    assert reason is not None and "fp8" in reason and "bf16" in reason
+
+
+def test_runner_dtype_options():
+    from tools.bench.common import dtype_option, lm_loss
+    from tools.bench.deepspeed_zero3 import ds_config
+
+    assert dtype_option("ddp", "autocast", "bf16") is torch.bfloat16
+    assert dtype_option("ddp", "autocast", None) is None
+    with pytest.raises(ValueError, match="autocast"):
+        dtype_option("ddp", "autocast", "fp16")
+    spec = RunSpec(model="tiny", batch=1)
+    assert ds_config(spec, None, 100, None, bf16=True)["bf16"] == {"enabled": True}
+    assert ds_config(spec, None, 100, None)["bf16"] == {"enabled": False}
+    assert ds_config(spec, None, 100, None, bf16=True)["optimizer"]["params"]["torch_adam"] is True
+    # the loss is fp32 whatever the logits' dtype, and for fp32 logits the same as before
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(11, (2, 3), generator=torch.Generator().manual_seed(1))
+    low = lm_loss(logits.bfloat16(), y)
+    assert low.dtype is torch.float32
+    assert torch.equal(low, torch.nn.functional.cross_entropy(logits.bfloat16().float().flatten(0, 1), y.flatten()))
+    assert torch.equal(lm_loss(logits, y), torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+def test_summary_ratios_bf16():
+    """fxzero-stage3-bf16 against the bf16 systems (never the fp32 ones), and the fp32 fxzero
+    system against the fp32 ones as before, in one summary."""
+    phi = 100
+    bf16 = dict(precision="bf16")
+    line = report.summary_line(
+        {
+            "ddp": {"median_step_s": 1.0, "peak_rss_mb": 900.0, "comm_elements_per_step": phi},
+            "fsdp2": _system(2.0, 1000.0, 300, 300),
+            "ds-zero3": _system(4.0, 1200.0, 300, 300),
+            "fxzero-stage3": _system(1.0, 900.0, 300, 300),
+            "ddp-bf16": {"median_step_s": 0.7, "peak_rss_mb": 950.0, "comm_elements_per_step": phi, **bf16},
+            "fsdp2-bf16": {**_system(1.0, 800.0, 300, 300), **bf16},
+            "ds-zero3-bf16": {**_system(1.2, 1000.0, 300, 300), **bf16},
+            "floor-bf16": {**_system(0.5, 700.0, 0, 0), **bf16},
+            "fxzero-stage3-bf16": {**_system(0.6, 840.0, 302, 302), **bf16},
+        },
+        phi, "small", {},
+    )
+    fx = line["fxzero"]["fxzero-stage3-bf16"]
+    assert fx["precision"] == "bf16"
+    assert fx["step_vs_fsdp2_bf16"] == pytest.approx(0.6)
+    assert fx["step_vs_ds_zero3_bf16"] == pytest.approx(0.5)
+    assert fx["step_vs_floor_bf16"] == pytest.approx(1.2)
+    assert fx["peak_rss_vs_fsdp2_bf16"] == pytest.approx(1.05)
+    assert fx["comm_vs_3phi"] == pytest.approx(302 / 300)
+    assert not {"step_vs_fsdp2", "step_vs_ds_zero3", "peak_rss_vs_fsdp2"} & set(fx)  # no bf16 / fp32 ratio
+    assert fx["met"] == {"step_vs_fsdp2_bf16": True, "step_vs_ds_zero3_bf16": True, "step_vs_floor_bf16": False,
+                         "peak_rss_vs_fsdp2_bf16": False, "comm_vs_3phi": True}
+    fp32 = line["fxzero"]["fxzero-stage3"]
+    assert fp32["step_vs_fsdp2"] == pytest.approx(0.5) and fp32["step_vs_ds_zero3"] == pytest.approx(0.25)
+    assert "precision" not in fp32 and not any(key.endswith("_bf16") for key in fp32)
+    assert line["targets"]["step_vs_fsdp2_bf16"].startswith("<= 0.8")
+    assert line["targets"]["step_vs_ds_zero3_bf16"].startswith("<= 0.75")
+    assert line["targets"]["step_vs_floor_bf16"].startswith("<= 1.1")
+    assert line["targets"]["peak_rss_vs_fsdp2_bf16"].startswith("<= 1.0")
+    # the issue's bars, never lowered
+    assert {k: report.TARGETS[k] for k in fx["met"] if k != "comm_vs_3phi"} == {
+        "step_vs_fsdp2_bf16": 0.8, "step_vs_ds_zero3_bf16": 0.75, "step_vs_floor_bf16": 1.1,
+        "peak_rss_vs_fsdp2_bf16": 1.0,
+    }
+
+    # each ratio's reference missing: None, and not met either way
+    alone = report.summary_line({"fxzero-stage3-bf16": {**_system(0.6, 840.0, 300, 300), **bf16}}, phi, "small", {})
+    fx = alone["fxzero"]["fxzero-stage3-bf16"]
+    assert fx["step_vs_fsdp2_bf16"] is fx["step_vs_floor_bf16"] is fx["peak_rss_vs_fsdp2_bf16"] is None
+    assert fx["met"]["step_vs_floor_bf16"] is None
+
+
+def test_summarize_compares_bf16_losses_with_ddp_bf16(tmp_path):
+    """`bench.py --summarize` of hand-written run lines of fp32 and bf16 systems: fp32 losses
+    against DDP's at 1e-5, bf16 ones against ddp-bf16's at 2e-2 (never against fp32 DDP), the
+    floor's first step only (its ranks part after the first update); and the bf16 ratios."""
+    phi = 1000
+    engine = {"engine_comm_per_step": {"all_gather": {"calls": 2, "elements": 2000, "bytes": 4000},
+                                       "reduce_scatter": {"calls": 1, "elements": 1000, "bytes": 4000}},
+              "engine_comm_elements_per_step": 3000, "engine_comm_bytes_per_step": 8000,
+              "engine_comm_counted_by": "engine.comm_report()"}
+    rss = [400.0, 410.0]
+    lines = [
+        {"event": "config", "spec": {"model": "small"}, "num_params": phi},
+        _run("ddp", 1, [1.0, 1.2], rss, [2.0, 1.5]),
+        _run("fxzero-stage3", 1, [0.9, 1.0], rss, [2.0, 1.5000001], **engine),
+        # bf16 losses: 1% off fp32 DDP (far beyond 1e-5), within 2e-2 of ddp-bf16
+        _run("ddp-bf16", 1, [0.7, 0.8], [500.0, 500.0], [2.02, 1.515]),
+        _run("fsdp2-bf16", 1, [1.0, 1.0], [420.0, 400.0], [2.02, 1.53]),
+        _run("ds-zero3-bf16", 1, [1.5, 1.3], [600.0, 600.0], [2.03, 1.52]),
+        _run("floor-bf16", 1, [0.5, 0.5], [380.0, 380.0], [2.02, 1.9]),  # parts after step 1: fine
+        _run("fxzero-stage3-bf16", 1, [0.6, 0.6], [400.0, 399.0], [2.02, 1.51], **engine),
+    ]
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--summarize", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    by_system = {line["system"]: line for line in out if line["event"] == "system"}
+    assert [line["system"] for line in out[:-1]] == [line["system"] for line in lines[1:]]  # the runs' order
+    summary = out[-1]
+    assert by_system["fxzero-stage3-bf16"]["precision"] == "bf16" and by_system["ddp"]["precision"] == "fp32"
+    assert by_system["fsdp2-bf16"]["loss_reference"] == "ddp-bf16"
+
+    assert set(summary["loss_max_rel_dev_vs_ddp"]) == {"fxzero-stage3"}
+    assert set(summary["loss_max_rel_dev_vs_ddp_bf16"]) == {"fsdp2-bf16", "ds-zero3-bf16", "fxzero-stage3-bf16"}
+    assert summary["loss_max_rel_dev_vs_ddp_bf16"]["fsdp2-bf16"] == pytest.approx(0.015 / 1.515, rel=1e-9)
+    assert summary["loss_max_rel_dev_vs_ddp_bf16"]["ds-zero3-bf16"] == pytest.approx(0.01 / 2.02, rel=1e-9)
+    assert summary["loss_max_abs_dev_vs_ddp_bf16"]["fxzero-stage3-bf16"] == pytest.approx(0.005, rel=1e-9)
+    assert summary["loss_first_step_rel_dev_vs_ddp_bf16"] == {"floor-bf16": 0.0}
+    assert "floor-bf16" not in summary["loss_max_rel_dev_vs_ddp_bf16"]
+    assert summary["losses_agree_fp32"] is True and summary["losses_agree_bf16"] is True
+    assert summary["losses_agree"] is True
+    assert "ddp-bf16" in summary["loss_tolerance_bf16"] and "0.02" in summary["loss_tolerance_bf16"]
+
+    fx = summary["fxzero"]["fxzero-stage3-bf16"]
+    assert fx["step_vs_fsdp2_bf16"] == pytest.approx(0.6 / 1.0, rel=1e-12)
+    assert fx["step_vs_ds_zero3_bf16"] == pytest.approx(0.6 / 1.4, rel=1e-12)  # median of 1.5, 1.3
+    assert fx["step_vs_floor_bf16"] == pytest.approx(0.6 / 0.5, rel=1e-12)
+    assert fx["peak_rss_vs_fsdp2_bf16"] == pytest.approx(400 / 420, rel=1e-12)
+    assert fx["comm_vs_3phi"] == pytest.approx(1.0)
+    assert fx["met"] == {"step_vs_fsdp2_bf16": True, "step_vs_ds_zero3_bf16": True, "step_vs_floor_bf16": False,
+                         "peak_rss_vs_fsdp2_bf16": True, "comm_vs_3phi": True}
+    assert fx["step_vs_floor_bf16_quiet"] == pytest.approx(0.6 / 0.5, rel=1e-12)
+    assert summary["fxzero"]["fxzero-stage3"]["step_vs_fsdp2"] is None  # no fp32 fsdp2 here
+
+    # a bf16 system beyond 2e-2 of ddp-bf16, or a floor whose first step differs: not agreed
+    for name, losses in (("fsdp2-bf16", [2.02, 1.56]), ("floor-bf16", [2.1, 1.5])):
+        bad = [_run(name, 1, [1.0, 1.0], rss, losses) if line.get("system") == name else line for line in lines]
+        path.write_text("".join(json.dumps(line) + "\n" for line in bad))
+        proc = subprocess.run([sys.executable, "tools/bench.py", "--summarize", str(path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(proc.stdout.splitlines()[-1])
+        assert (summary["losses_agree_bf16"], summary["losses_agree_fp32"], summary["losses_agree"]) == (False, True, False), name

@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from tools.bench.spec import RunSpec, zoo_name
 
 __all__ = [
+    "DTYPES",
     "Trainer",
     "build_model",
+    "dtype_option",
     "loopback_bytes",
     "make_batch",
     "make_optimizer",
@@ -51,15 +53,35 @@ class Trainer(Protocol):
         """Anything system-specific for the JSON line (own traffic counters, memory, ...)."""
 
 
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16}
+"""The low-precision names the system table uses in runner options (a dtype cannot go through
+the JSON of a run line or a rank's command line)."""
+
+
+def dtype_option(runner: str, key: str, value: Optional[str]) -> Optional[torch.dtype]:
+    """The dtype a runner option names ("bf16"), or None for None (fp32 throughout)."""
+    if value is None:
+        return None
+    if value not in DTYPES:
+        raise ValueError(f"{runner} runner: {key} must be None or one of {sorted(DTYPES)}, got {value!r}")
+    return DTYPES[value]
+
+
 class EagerTrainer:
     """A module wrapped by a PyTorch system (DDP, FSDP2) and a torch.optim AdamW: the plain
-    training step those systems share. Subclasses set `self.model` and `self.optimizer`."""
+    training step those systems share. Subclasses set `self.model` and `self.optimizer`, and
+    `self.autocast` to run the forward and the loss under `torch.autocast("cpu", dtype)`."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    autocast: Optional[torch.dtype] = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = lm_loss(self.model(x), y)
+        if self.autocast is None:
+            loss = lm_loss(self.model(x), y)
+        else:
+            with torch.autocast("cpu", dtype=self.autocast):
+                loss = lm_loss(self.model(x), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -110,7 +132,13 @@ def make_optimizer(spec: RunSpec, params) -> torch.optim.Optimizer:
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    """Cross-entropy of the next-token logits, in fp32 whatever dtype the logits come in.
+
+    Every system computes its loss alike: a bf16 system's logits (FSDP2's, DeepSpeed's and
+    fxzero's outputs are bf16) are upcast first, as CPU autocast runs cross_entropy in fp32 for
+    DDP under autocast; for fp32 logits `.float()` is the tensor itself (no copy).
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 def make_batch(spec: RunSpec, vocab_size: int, seq_len: int, step: int, rank: int):

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-3 on the CPU accelerator (DS_ACCELERATOR=cpu, gloo), from PyPI.
 
 Built the way a DeepSpeed user would: the eager model (every rank builds it whole, as without
-`zero.Init`), then `deepspeed.initialize` partitions it. fp32 throughout; AdamW with the
-benchmark's hyper-parameters. Options, from the system table:
+`zero.Init`), then `deepspeed.initialize` partitions it. fp32 throughout unless bf16 (below);
+AdamW with the benchmark's hyper-parameters. Options, from the system table:
 
 - offload None: torch's AdamW (`"torch_adam": true`; FusedAdam is CUDA only).
 - offload "cpu": optimizer states and parameters offloaded to CPU memory; the optimizer is
@@ -22,6 +22,16 @@ benchmark's hyper-parameters. Options, from the system table:
   whole partition: over 10 GB at 1B parameters) and `reduce_bucket_size` 5e7 (gradients wait
   in a bucket of that many elements before each reduce-scatter; the default 5e8 holds 2 GB).
   Both are above the 25M model's sizes, so there they change nothing.
+
+- bf16 True (the "ds-zero3-bf16" system): `"bf16": {"enabled": true}` and nothing else bf16
+  specific, as a DeepSpeed user turns it on: the engine casts the module to bf16 (forward,
+  backward and the all-gathers in bf16), the optimizer keeps fp32 master partitions, and
+  DeepSpeed's defaults decide the rest (gradients are reduce-scattered in the model's dtype,
+  bf16, unless "communication_data_type" says otherwise: half FSDP2's and fxzero's fp32
+  reduce bytes). The CPU's quirk with bf16 (ANCHORS.md: zero.Init picks bf16 by itself when no
+  dtype is given) only bites zero.Init without a config, i.e. the NVMe path, where
+  `_force_fp32_zero_init` keeps fp32; with bf16 on that patch is not applied, so zero.Init
+  follows the config's bf16.
 
 Collectives go through deepspeed.comm -> torch.distributed, where they are counted.
 """
@@ -47,8 +57,10 @@ NVME_SUB_GROUP_SIZE = 50_000_000
 NVME_REDUCE_BUCKET_SIZE = 50_000_000
 
 
-def ds_config(spec: RunSpec, offload: Optional[str], largest_param: int, nvme_path: Optional[str]) -> dict:
-    """The DeepSpeed config for one run."""
+def ds_config(
+    spec: RunSpec, offload: Optional[str], largest_param: int, nvme_path: Optional[str], bf16: bool = False
+) -> dict:
+    """The DeepSpeed config for one run (bf16: `"bf16": {"enabled": true}`)."""
     params: dict[str, Any] = {
         "lr": spec.lr,
         "betas": list(spec.betas),
@@ -87,7 +99,7 @@ def ds_config(spec: RunSpec, offload: Optional[str], largest_param: int, nvme_pa
         "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": zero,
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": bool(bf16)},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -100,14 +112,18 @@ class DeepSpeedTrainer:
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         offload = options.get("offload")
+        bf16 = options.get("bf16", False)
+        if not isinstance(bf16, bool):
+            raise ValueError(f"deepspeed runner: bf16 must be True or False, got {bf16!r}")
         self.nvme_path: Optional[str] = None
         if offload == "nvme":
             self.nvme_path = nvme_scratch(f"bench-ds-nvme-rank{dist.get_rank()}-")
-            _force_fp32_zero_init()
+            if not bf16:  # with bf16 on, zero.Init's bf16 is what the config asks for
+                _force_fp32_zero_init()
         deepspeed.init_distributed(dist_backend="gloo")
         model = build_model(spec)
         largest = max(p.numel() for p in model.parameters())
-        self.config = ds_config(spec, offload, largest, self.nvme_path)
+        self.config = ds_config(spec, offload, largest, self.nvme_path, bf16=bf16)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config
         )
@@ -133,6 +149,7 @@ class DeepSpeedTrainer:
             if hasattr(self.engine.optimizer, "optimizer")
             else type(self.engine.optimizer).__name__,
             "zero_optimization": zero,
+            "bf16": self.config["bf16"]["enabled"],
         }
 
     def close(self) -> None:

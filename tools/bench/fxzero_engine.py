@@ -8,7 +8,12 @@ Initial weights, by `init` in the system's options:
   `reset_parameters()` under `Config(seed=...)`, which reproduces eager construction.
 
 Config knobs come from the system table (`systems.py`) as `fxzero.Config(..., **config)`; a knob
-this fxzero does not have makes the system unavailable (checked before any rank starts).
+this fxzero does not have makes the system unavailable (checked before any rank starts). Two take
+a JSON-friendly value that `make_config` turns into the object: "prefetch" (a dict of
+`fxzero.Prefetch` fields) and "mixed_precision" (a name from `MIXED_PRECISION`: "bf16" is
+`fxzero.MixedPrecision(param_dtype=torch.bfloat16)`, gradients reduced in its default fp32).
+With mixed precision the engine's outputs are bf16; the loss is computed in fp32 from them
+(`common.lm_loss`), as for every system.
 
 Offload, by `offload` in the system's options (the placement DeepSpeed's offload systems use):
 - None (default): every state on the device.
@@ -42,6 +47,25 @@ COUNTED_BY = "fxzero engine.comm_report(): all_gather output + reduce_scatter in
 
 
 OFFLOADS = (None, "cpu", "nvme")
+
+MIXED_PRECISION: dict[str, dict[str, Any]] = {
+    "bf16": {"param_dtype": torch.bfloat16},  # reduce_dtype: MixedPrecision's default, fp32
+}
+"""The system table's "mixed_precision" names -> `fxzero.MixedPrecision` fields (a dtype cannot
+go through JSON)."""
+
+
+def make_mixed_precision(name: Any) -> "fxzero.MixedPrecision":
+    """The `fxzero.MixedPrecision` a "mixed_precision" name stands for.
+
+    Raises ValueError for a name not in `MIXED_PRECISION`, TypeError when this fxzero has no
+    mixed precision (no `fxzero.MixedPrecision`).
+    """
+    if not isinstance(name, str) or name not in MIXED_PRECISION:
+        raise ValueError(f"fxzero runner: mixed_precision must be one of {sorted(MIXED_PRECISION)}, got {name!r}")
+    if not hasattr(fxzero, "MixedPrecision"):
+        raise TypeError("this fxzero has no fxzero.MixedPrecision (mixed precision is not implemented)")
+    return fxzero.MixedPrecision(**MIXED_PRECISION[name])
 
 
 def make_offload(
@@ -78,13 +102,16 @@ def make_config(
 ) -> "fxzero.Config":
     """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, offload=..., **config)`.
 
-    Raises TypeError (from the dataclass) for a knob this fxzero does not have, ValueError for a
-    value it rejects.
+    "prefetch" may be a dict of `fxzero.Prefetch` fields, "mixed_precision" a name from
+    `MIXED_PRECISION`. Raises TypeError (from the dataclass) for a knob this fxzero does not
+    have, ValueError for a value it rejects.
     """
     adamw = fxzero.AdamW(lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
     if isinstance(kwargs.get("prefetch"), dict):  # the Prefetch knobs, e.g. {"keep_for_backward": False}
         kwargs["prefetch"] = fxzero.Prefetch(**kwargs["prefetch"])
+    if kwargs.get("mixed_precision") is not None:  # a name, e.g. "bf16" (MIXED_PRECISION)
+        kwargs["mixed_precision"] = make_mixed_precision(kwargs["mixed_precision"])
     placement = make_offload(offload, nvme_path, offload_options)
     if placement is not None:
         kwargs["offload"] = placement
@@ -105,6 +132,7 @@ class FxzeroTrainer:
             config = make_config(
                 spec, options.get("config", {}), self.offload, self.nvme_path, options.get("offload_options")
             )
+            self.mixed_precision = getattr(config, "mixed_precision", None)
             state_dict: Optional[dict[str, torch.Tensor]] = None
             if init == "state_dict":
                 state_dict = build_model(spec).state_dict()
@@ -139,6 +167,9 @@ class FxzeroTrainer:
             "memory_report": self.memory,
             "offload": self.offload,
         }
+        mp = self.mixed_precision
+        if mp is not None:
+            out["mixed_precision"] = {"param_dtype": str(mp.param_dtype), "reduce_dtype": str(mp.reduce_dtype)}
         io_report = getattr(self.engine, "io_report", None)
         if callable(io_report):  # fxzero with offload: bytes read and written per tier
             out["engine_io"] = io_report()

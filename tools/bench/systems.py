@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from tools.bench.spec import RunSpec
 
-__all__ = ["DEFAULT_SYSTEMS", "SYSTEMS", "System", "unavailable"]
+__all__ = ["BF16_SYSTEMS", "DEFAULT_SYSTEMS", "SYSTEM_GROUPS", "SYSTEMS", "System", "expand", "unavailable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,14 @@ class System:
     description: str = ""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """Extra environment variables for the rank processes."""
+    precision: str = "fp32"
+    """"fp32", or "bf16" for a mixed-precision variant: it names the system whose losses this
+    one's are compared with, and at which tolerance (`report.LOSS_REFERENCES`), and which
+    systems an fxzero system's summary ratios are taken against."""
+    trains_alike: bool = True
+    """False where the ranks do not train one model together (the no-communication floor: no
+    gradient is averaged, so the ranks' models part after the first update): only the first
+    step's loss, before any update, is compared."""
 
 
 _DS_ENV = {"DS_ACCELERATOR": "cpu"}
@@ -36,6 +44,36 @@ _DS_ENV = {"DS_ACCELERATOR": "cpu"}
 SYSTEMS: dict[str, System] = {
     "ddp": System("ddp", {}, "PyTorch DistributedDataParallel, default buckets"),
     "fsdp2": System("fsdp2", {}, "PyTorch FSDP2, fully_shard per block + root"),
+    # The no-communication floor (floor.py): every rank trains its own copy on its own
+    # micro-batch, all ranks at once; no collective in a step.
+    "floor": System(
+        "floor", {}, "no-communication floor: each rank trains its own copy, fp32", trains_alike=False
+    ),
+    # bf16 variants. Losses are compared with ddp-bf16's (report.LOSS_TOLERANCE_BF16); the
+    # summary takes fxzero-stage3-bf16's ratios against fsdp2-bf16, ds-zero3-bf16, floor-bf16.
+    "ddp-bf16": System(
+        "ddp", {"autocast": "bf16"}, "PyTorch DDP, forward + loss under torch.autocast(cpu, bf16)",
+        precision="bf16",
+    ),
+    "fsdp2-bf16": System(
+        "fsdp2", {"mixed_precision": "bf16"},
+        "PyTorch FSDP2, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every fully_shard",
+        precision="bf16",
+    ),
+    "ds-zero3-bf16": System(
+        "deepspeed_zero3", {"offload": None, "bf16": True},
+        'DeepSpeed ZeRO-3, "bf16": {"enabled": true}, torch AdamW', _DS_ENV, precision="bf16",
+    ),
+    "floor-bf16": System(
+        "floor", {"autocast": "bf16"},
+        "no-communication floor: each rank trains its own copy, forward + loss under autocast(cpu, bf16)",
+        precision="bf16", trains_alike=False,
+    ),
+    "fxzero-stage3-bf16": System(
+        "fxzero_engine", {"init": "state_dict", "config": {"mixed_precision": "bf16"}},
+        "fxzero ZeRO-3, MixedPrecision(param_dtype=bf16), gradients reduced in fp32",
+        precision="bf16",
+    ),
     "ds-zero3": System(
         "deepspeed_zero3", {"offload": None}, "DeepSpeed ZeRO-3, torch AdamW", _DS_ENV
     ),
@@ -120,7 +158,30 @@ DEFAULT_SYSTEMS: tuple[str, ...] = (
     "fxzero-stage3-noprefetch",
 )
 """What one invocation runs without --systems; the NVMe and offload systems are opt-in (see
-deepspeed_zero3.py and fxzero_engine.py)."""
+deepspeed_zero3.py and fxzero_engine.py), and so are the bf16 ones (`--systems bf16`)."""
+
+BF16_SYSTEMS: tuple[str, ...] = (
+    "ddp-bf16",
+    "fsdp2-bf16",
+    "ds-zero3-bf16",
+    "floor-bf16",
+    "fxzero-stage3-bf16",
+)
+"""The bf16 side by side: fxzero-stage3-bf16 and what its summary ratios are taken against."""
+
+SYSTEM_GROUPS: dict[str, tuple[str, ...]] = {"default": DEFAULT_SYSTEMS, "bf16": BF16_SYSTEMS}
+"""Names --systems accepts for several systems at once."""
+
+
+def expand(names: list[str]) -> list[str]:
+    """--systems' names with each group (`SYSTEM_GROUPS`) replaced by its systems, in order,
+    each system once."""
+    out: list[str] = []
+    for name in names:
+        for system in SYSTEM_GROUPS.get(name, (name,)):
+            if system not in out:
+                out.append(system)
+    return out
 
 
 def unavailable(name: str, spec: RunSpec) -> Optional[str]:

@@ -5,7 +5,9 @@ wraps torch.distributed's collectives for counting before anything else binds th
 gloo group, builds its system's trainer, runs the warm-up and timed steps on the benchmark's
 batches, and writes everything it measured to DIR/rank{R}.json (an "error" key on failure).
 Nothing is communicated for the measurement itself: results travel by file, so no extra
-collective lands in the traffic counts or the step times.
+collective lands in the traffic counts or the step times. (The one exception is a trainer's
+`align()`, the floor's barrier before each step: outside the step's time, not counted, and its
+loopback bytes left out of the wire figure.)
 """
 
 from __future__ import annotations
@@ -59,7 +61,17 @@ def run(name: str, spec: RunSpec) -> dict[str, Any]:
 
         losses, times = [], []
         wire_start = None
+        align = getattr(trainer, "align", None)  # the floor's barrier before each step (floor.py)
+        align_wire = 0
         for step in range(spec.total_steps):
+            if align is not None:  # untimed and uncounted; its loopback bytes are left out too
+                counting, counter.enabled = counter.enabled, False
+                before = loopback_bytes()
+                align()
+                after = loopback_bytes()
+                counter.enabled = counting
+                if wire_start is not None and before is not None and after is not None:
+                    align_wire += after - before
             if step == spec.warmup:
                 counter.reset()
                 counter.enabled = True
@@ -77,7 +89,7 @@ def run(name: str, spec: RunSpec) -> dict[str, Any]:
         result["step_times_s"] = times
         result["comm"] = counter.report(spec.steps)
         if wire_start is not None and wire_end is not None:
-            result["loopback_bytes_per_step"] = (wire_end - wire_start) / spec.steps
+            result["loopback_bytes_per_step"] = (wire_end - wire_start - align_wire) / spec.steps
         result.update(trainer.report())
         if hasattr(trainer, "predict"):  # after the peak was read: calibration allocates
             result.update(trainer.predict())
