@@ -80,12 +80,13 @@ def compile(
     spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
     if config.offload.tiers():
         store = OffloadStore(config.offload, comm.rank)
-        store.reserve(bytes_on_tiers(config.offload, layouts, whole))
+        mp = config.mixed_precision
+        store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.param_dtype if mp is not None else None))
         if store.offloaded("param"):
             spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
     params, buffers = materialize(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict, seed=config.seed,
-        spill=spilled, spill_to=lambda unit, shard: store.put("param", unit, shard),
+        spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision),
     )
     state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, store=store)
     if config.mixed_precision is not None:
@@ -94,14 +95,22 @@ def compile(
     return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler)
 
 
+def _spill(store: OffloadStore, mp, unit: str, shard: torch.Tensor) -> None:
+    """A materialized parameter shard straight to its tier: the fp32 master, and with mixed
+    precision its low-precision copy beside it."""
+    store.put("param", unit, shard)
+    if mp is not None and shard.is_floating_point():
+        store.put("low", unit, shard.to(mp.param_dtype))
+
+
 def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
     """Mixed precision: each unit's fp32 master shard and its copy in the compute dtype ([Note:
     master and low] in passes/step_program.py); a unit held whole keeps its full buffer only in
     the compute dtype, and of the fp32 values only this rank's shard."""
     for layout in state.layouts:
+        if not layout.dtype.is_floating_point or layout.name in state.offloaded_params:
+            continue  # (offloaded: master and copy both live on the tier, `_spill`)
         values = state.params[layout.name]
-        if not layout.dtype.is_floating_point:
-            continue
         state.low[layout.name] = values.to(low_dtype)
         if layout.name in state.whole:
             lo, hi = layout.shard_range(rank)

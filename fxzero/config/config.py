@@ -98,11 +98,6 @@ class Config:
             raise TypeError(
                 f"Config.mixed_precision must be a fxzero.MixedPrecision or None, got {type(self.mixed_precision).__name__}"
             )
-        if self.mixed_precision is not None and self.offload.offloaded("param"):
-            raise ValueError(
-                "Config(mixed_precision=...) with offloaded parameters (Offload(params=...)) is not supported yet: "
-                "keep the parameters on the device (offloading the optimizer states works), or train in fp32"
-            )
         mp = self.mixed_precision
         if mp is not None and mp.loss_scale is not None and (self.offload.offloaded("grad") or self.offload.step_in_backward):
             raise ValueError(

@@ -119,8 +119,9 @@ class Offload:
         return self.optimizer if self.grads is None else self.grads
 
     def placement(self, kind: str) -> Placement:
-        """Placement of a state kind: "param", "grad", "exp_avg" or "exp_avg_sq"."""
-        if kind == "param":
+        """Placement of a state kind: "param", "grad", "exp_avg" or "exp_avg_sq"; also "low",
+        mixed precision's low-precision copy of the parameters, which lives with them."""
+        if kind in ("param", "low"):
             return self.params
         if kind == "grad":
             return self.grads_placement
@@ -131,6 +132,8 @@ class Offload:
     def offloaded(self, kind: str) -> bool:
         return not isinstance(self.placement(kind), Device)
 
-    def tiers(self) -> dict[str, str]:
-        """State kind -> tier name, for the states placed off the device."""
-        return {k: self.placement(k).tier for k in STATE_KINDS if self.offloaded(k)}
+    def tiers(self, mixed_precision: bool = False) -> dict[str, str]:
+        """State kind -> tier name, for the states placed off the device ("low" too, with mixed
+        precision and offloaded parameters)."""
+        kinds = STATE_KINDS + (("low",) if mixed_precision else ())
+        return {k: self.placement(k).tier for k in kinds if self.offloaded(k)}

@@ -100,13 +100,13 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
         size = numel * layout.itemsize
     elif k == "cast":  # reads this rank's master shard, writes its low-precision copy
         numel = layout.shard_numel
-        size = numel * node.args[0].meta["val"].element_size()
+        size = numel * itemsize_of(node.args[0], layout.itemsize)
     else:
         numel, size = value_size(node.meta.get("val"))
     count = flops(node) if k == "compute" else 0
     read_bytes = sum(nbytes(i.meta.get("val")) for i in node.all_input_nodes) if k == "compute" else 0
     if k == "cast":
-        read_bytes = numel * node.args[1].meta["val"].element_size()
+        read_bytes = numel * itemsize_of(node.args[1], layout.itemsize)
     if k == "compute" and alias_source(node) is not None:
         size = read_bytes = 0  # a view moves no data
     scatter = k == "reduce_scatter"

@@ -27,9 +27,10 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     `cost_model` (a `fxzero.cost.CostModel`, or None) prices the choices passes make.
     """
     persistent = persistent_units(config, layouts)
-    tiers = config.offload.tiers()
-    lookahead = config.offload.lookahead
     mp = config.mixed_precision
+    tiers = config.offload.tiers(mixed_precision=mp is not None)
+    lookahead = config.offload.lookahead
+    low = mp.param_dtype if mp is not None else None
     passes = [
         partition.make(persistent=persistent),
         separate_phases.PASS,
@@ -40,11 +41,11 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     if config.prefetch is not None:
         passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
     if "param" in tiers:
-        passes.append(offload_params.make(tier=tiers["param"], lookahead=lookahead, cost_model=cost_model))
+        passes.append(offload_params.make(tier=tiers["param"], lookahead=lookahead, cost_model=cost_model, low_dtype=low))
         passes.append(keep_for_backward.make(buffer="fetched", count=lookahead + 1))
         if config.offload.step_in_backward:
             passes.append(step_in_backward.make(params=tiers["param"], optimizer=tiers["exp_avg"],
-                                                lookahead=lookahead, cost_model=cost_model))
+                                                lookahead=lookahead, cost_model=cost_model, low_dtype=low))
     elif config.prefetch is not None and config.prefetch.keep_for_backward is not False:
         # (With offloaded parameters the backward's gathers stay: they read the shards an update
         # in the backward writes; the fetched shards are kept instead.)
@@ -54,7 +55,6 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     passes += [
         canonicalize.PASS,
         split.PASS,
-        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent,
-                          low_dtype=mp.param_dtype if mp is not None else None),
+        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low),
     ]
     return passes

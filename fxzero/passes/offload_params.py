@@ -22,6 +22,9 @@ binds it to nothing.
 from __future__ import annotations
 
 import functools
+from typing import Optional
+
+import torch
 
 import torch.fx as fx
 
@@ -52,9 +55,12 @@ def _lead(same_phase: list[fx.Node], lookahead: int, read_s: float, seconds, ord
     return same_phase[issue_point(k, lookahead)]
 
 
-def offload_params_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str, lookahead: int, cost_model=None) -> PassResult:
-    """Fetch each sharded unit's parameter shard from `tier` ahead of every gather of it."""
+def offload_params_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str, lookahead: int, cost_model=None,
+                        low_dtype: Optional[torch.dtype] = None) -> PassResult:
+    """Fetch each sharded unit's parameter shard from `tier` ahead of every gather of it (with
+    mixed precision, `low_dtype`: the shard's low-precision copy, state "low", not the master)."""
     graph = gm.graph
+    state = "low" if low_dtype is not None else "param"
     gathers = [n for n in graph.nodes if is_kind(n, "all_gather")]
     seconds = compute_seconds(graph, {lay.name: lay for lay in ctx.layouts}, cost_model) if cost_model is not None else None
     fetched = 0
@@ -67,7 +73,7 @@ def offload_params_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str, look
         read_s = 0.0
         if cost_model is not None:
             probe = Instruction(name="", kind="fetch", stream="io", tier=tier,
-                                bytes=layout.shard_numel * layout.itemsize)
+                                bytes=layout.shard_numel * (low_dtype or layout.dtype).itemsize)
             # Issuing takes an instruction's overhead anyway: a read shorter than that is hidden
             # by the issue alone (adjacent gathers, as prefetch bunches them, have no compute
             # between them to cover anything).
@@ -76,25 +82,28 @@ def offload_params_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str, look
         same_phase = [g for g in gathers[: i + 1] if phase(g) == which]
         anchor = _lead(same_phase, lookahead, read_s, seconds, graph.nodes)
         with graph.inserting_before(anchor):
-            start = graph.call_function(OPS["fetch"], (unit, "param", layout.shard_numel, layout.dtype))
+            start = graph.call_function(OPS["fetch"], (unit, state, layout.shard_numel, low_dtype or layout.dtype))
         with graph.inserting_before(gather):
             shard = graph.call_function(OPS["wait"], (start,))
         gather.replace_input_with(unit_node, shard)
         with graph.inserting_after(wait_of(gather)):
             freed = graph.call_function(OPS["free"], (shard,))
-        tag(start, kind="fetch", unit=unit, phase=which, state="param", tier=tier)
+        tag(start, kind="fetch", unit=unit, phase=which, state=state, tier=tier)
+        start.meta["val"] = shard.meta["val"] = torch.empty(layout.shard_numel, dtype=low_dtype or layout.dtype,
+                                                             device="meta")
         tag(shard, kind="wait", unit=unit, phase=which, waits_for=start.name)
         tag(freed, kind="free", unit=unit, phase=which)
         fetched += 1
     return PassResult(gm, changed=fetched > 0, summary={"param_fetches": fetched, "tier": tier, "lookahead": lookahead})
 
 
-def make(*, tier: str, lookahead: int, cost_model=None) -> Pass:
+def make(*, tier: str, lookahead: int, cost_model=None, low_dtype: Optional[torch.dtype] = None) -> Pass:
     """`tier`: where the parameter shards live; `cost_model` (optional) prices reads and compute,
     so a fetch leads its gather by no more than it needs."""
     return Pass(
         "offload_params",
-        functools.partial(offload_params_pass, tier=tier, lookahead=lookahead, cost_model=cost_model),
+        functools.partial(offload_params_pass, tier=tier, lookahead=lookahead, cost_model=cost_model,
+                          low_dtype=low_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

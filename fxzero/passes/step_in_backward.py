@@ -25,6 +25,9 @@ held whole are left to the step program (`passes/step_program.py`).
 from __future__ import annotations
 
 import functools
+from typing import Optional
+
+import torch
 
 import torch.fx as fx
 
@@ -40,13 +43,18 @@ PROVIDES = frozenset({"updated_in_backward"})
 
 
 def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, optimizer: str, lookahead: int,
-                          cost_model=None) -> PassResult:
+                          cost_model=None, low_dtype: Optional[torch.dtype] = None) -> PassResult:
     """Fuse each sharded unit's AdamW update into the backward (see the module doc).
 
     Args:
         params, optimizer: the tiers of the parameter shards and of the moments.
+        low_dtype: mixed precision's: the backward's shard is the low-precision copy; the update
+            reads the fp32 master ("param") ahead with the moments, casts it into that shard and
+            writes both back.
     """
     graph = gm.graph
+    mp = low_dtype is not None
+    shard_state = "low" if mp else "param"
     out = output_node(graph)
     results = list(out.args[0])
     # unit -> the backward's fetched parameter shard (read in the backward, or kept from the forward)
@@ -67,9 +75,12 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
             continue  # a persistent unit (no fetched shard): updated by the step program
         if unit not in shard_of:
             with graph.inserting_before(r):  # the fetch moves ahead below, with the moments'
-                fetch_param = graph.call_function(OPS["fetch"], (unit, "param", layout.shard_numel, layout.dtype))
+                fetch_param = graph.call_function(OPS["fetch"], (unit, shard_state, layout.shard_numel,
+                                                                 low_dtype or layout.dtype))
                 shard = graph.call_function(OPS["wait"], (fetch_param,))
-            tag(fetch_param, kind="fetch", unit=unit, phase=BACKWARD, state="param", tier=params)
+            tag(fetch_param, kind="fetch", unit=unit, phase=BACKWARD, state=shard_state, tier=params)
+            fetch_param.meta["val"] = shard.meta["val"] = torch.empty(
+                layout.shard_numel, dtype=low_dtype or layout.dtype, device="meta")
             tag(shard, kind="wait", unit=unit, phase=BACKWARD, waits_for=fetch_param.name)
             read_for_update[unit] = fetch_param
         else:
@@ -85,11 +96,13 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
                 later[0].prepend(r)
         for free in [u for u in shard.users if is_kind(u, "free")]:
             graph.erase_node(free)  # the shard lives on until its update
-        moments = []
+        moments = []  # exp_avg, exp_avg_sq, and with mixed precision the fp32 master
+        read = ("exp_avg", "exp_avg_sq") + (("param",) if mp else ())
         with graph.inserting_after(fetch_param):
-            for state in ("exp_avg_sq", "exp_avg"):  # inserted in reverse: exp_avg comes first
+            for state in reversed(read):  # inserted in reverse: exp_avg comes first
                 f = graph.call_function(OPS["fetch"], (unit, state, layout.shard_numel, layout.dtype))
-                tag(f, kind="fetch", unit=unit, phase=BACKWARD, state=state, tier=optimizer)
+                tag(f, kind="fetch", unit=unit, phase=BACKWARD, state=state, tier=params if state == "param" else optimizer)
+                f.meta["val"] = torch.empty(layout.shard_numel, dtype=layout.dtype, device="meta")
                 moments.insert(0, f)
         done = []
         first_write = None
@@ -98,10 +111,16 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
             for f in moments:
                 waits.append(graph.call_function(OPS["wait"], (f,)))
                 tag(waits[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=f.name)
-            update = graph.call_function(OPS["adamw"], (shard, r, waits[0], waits[1], unit))  # in place
+                waits[-1].meta["val"] = f.meta["val"]
+            master = waits[2] if mp else shard
+            update = graph.call_function(OPS["adamw"], (master, r, waits[0], waits[1], unit))  # in place
             tag(update, kind="optim_step", unit=unit, phase=BACKWARD)
-            for value, state, tier in ((shard, "param", params), (waits[0], "exp_avg", optimizer),
-                                       (waits[1], "exp_avg_sq", optimizer)):
+            written = [(master, "param", params), (waits[0], "exp_avg", optimizer), (waits[1], "exp_avg_sq", optimizer)]
+            if mp:  # the master into the backward's low-precision shard, written back beside it
+                cast = graph.call_function(OPS["cast_into"], (shard, master, unit))
+                tag(cast, kind="cast", unit=unit, phase=BACKWARD)
+                written.insert(1, (shard, "low", params))
+            for value, state, tier in written:
                 write = graph.call_function(OPS["offload"], (value, unit, state))
                 tag(write, kind="offload", unit=unit, phase=BACKWARD, state=state, tier=tier)
                 first_write = first_write or write
@@ -110,7 +129,7 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
                 tag(done[-1], kind="wait", unit=unit, phase=BACKWARD, waits_for=write.name)
         # The fetched buffers are released once their new values are on the tier.
         with graph.inserting_before(out):
-            for buffer in (shard, *waits):
+            for buffer in dict.fromkeys((shard, *waits)):
                 done.append(graph.call_function(OPS["free"], (buffer,)))
                 tag(done[-1], kind="free", unit=unit, phase=BACKWARD)
         results[pos] = done[0]  # the unit's token: its parameter is written back
@@ -134,7 +153,7 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
         back = j - issue_point(j, lookahead)
         if seconds is not None:
             layout = ctx.layout(u.args[4])
-            states = 3 if u.args[4] in read_for_update else 2
+            states = 2 + mp + (u.args[4] in read_for_update)
             probe = Instruction(name="", kind="fetch", stream="io", tier=optimizer,
                                 bytes=states * layout.shard_numel * layout.itemsize)
             read_s = cost_model.io_seconds(probe)
@@ -142,6 +161,8 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
                     seconds[n] for n in nodes[position[scatters[j - back]] : position[u]]) < read_s:
                 back += 1
         reads = (u.args[2].args[0], u.args[3].args[0])  # adamw(.., wait(fetch m), wait(fetch v))
+        if mp:
+            reads += (u.args[0].args[0],)  # adamw(wait(fetch master), ...)
         if u.args[4] in read_for_update:
             reads = (read_for_update[u.args[4]],) + reads
         for fetch in reads:
@@ -149,11 +170,12 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, params: str, 
     return PassResult(gm, changed=bool(fused), summary={"updated_in_backward": fused})
 
 
-def make(*, params: str, optimizer: str, lookahead: int, cost_model=None) -> Pass:
+def make(*, params: str, optimizer: str, lookahead: int, cost_model=None,
+         low_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_in_backward",
         functools.partial(step_in_backward_pass, params=params, optimizer=optimizer, lookahead=lookahead,
-                          cost_model=cost_model),
+                          cost_model=cost_model, low_dtype=low_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

@@ -142,7 +142,10 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
     b = _Builder(ctx.world_size)
 
     def fetched(layout: UnitLayout) -> list[str]:
-        return [k for k in STATE_KINDS if k in tiers and not (k == "param" and layout.name in persistent)]
+        # With mixed precision and offloaded parameters the low-precision shard is read too, as the
+        # buffer the updated master is cast into before both are written back.
+        kinds = STATE_KINDS + (("low",) if low_dtype is not None else ())
+        return [k for k in kinds if k in tiers and not (k in ("param", "low") and layout.name in persistent)]
 
     # Placeholders for what lives on the device: the parameter buffer, the gradient, the moments.
     resident: dict[tuple[str, str], fx.Node] = {}
@@ -176,8 +179,9 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
         lay = units[i]
         u = lay.name
         if event == "issue":
-            reads[u] = {k: b.call("fetch", (u, k, lay.shard_numel, lay.dtype), "fetch", u,
-                                  _fake(lay.shard_numel, lay.dtype), state=k, tier=tiers[k])
+            dtype = {k: low_dtype if k == "low" else lay.dtype for k in fetched(lay)}
+            reads[u] = {k: b.call("fetch", (u, k, lay.shard_numel, dtype[k]), "fetch", u,
+                                  _fake(lay.shard_numel, dtype[k]), state=k, tier=tiers[k])
                         for k in fetched(lay)}
         elif event == "run":
             value = {k: b.wait(f, u) for k, f in reads[u].items()}

@@ -57,7 +57,7 @@ class RankState:
 
     def compute_params(self, unit: str) -> Optional[torch.Tensor]:
         """What the forward and backward read for `unit` (None: its shard is on a tier)."""
-        return self.low[unit] if self.low else self.params.get(unit)
+        return self.low.get(unit, self.params.get(unit))
 
     def master_is_whole(self, unit: str) -> bool:
         return unit in self.whole and not self.low

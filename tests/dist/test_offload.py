@@ -57,6 +57,10 @@ PLACEMENTS = {
     "stage2-device": (2, lambda d: fxzero.Offload()),
     "stage2-optimizer-nvme": (2, lambda d: fxzero.Offload(optimizer=fxzero.Nvme(path=d))),
 }
+# Mixed precision (bf16): the tiers hold the fp32 masters and moments and the bf16 copies.
+BF16_PLACEMENTS = ("device", "cpu", "nvme", "nvme-step-in-backward", "cpu-step-in-backward-persistent-root",
+                   "device-untied", "nvme-step-in-backward-untied", "stage2-device", "stage2-optimizer-nvme")
+PLACEMENTS.update({"bf16-" + name: PLACEMENTS[name] for name in BF16_PLACEMENTS})
 
 
 @functools.cache
@@ -70,10 +74,11 @@ def _workload():
 
 
 def _base(name: str) -> str:
-    """The device-resident run an offloaded run must match."""
+    """The device-resident run an offloaded run must match (in the same precision)."""
+    prefix = "bf16-" if name.startswith("bf16-") else ""
     if PLACEMENTS[name][0] != 3:
-        return "stage2-device"
-    return "device-untied" if name.endswith("-untied") else "device"
+        return prefix + "stage2-device"
+    return prefix + ("device-untied" if name.endswith("-untied") else "device")
 
 
 def _train(rank: int, world: int, name: str, nvme_dir: str, states, batches) -> dict[str, Any]:
@@ -82,12 +87,13 @@ def _train(rank: int, world: int, name: str, nvme_dir: str, states, batches) -> 
     # gpt-tiny's root unit (3,648 parameters) stays whole under this threshold: its parameters
     # remain resident while its optimizer states are offloaded.
     threshold = 5000 if "persistent-root" in name else 0
+    mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16) if name.startswith("bf16-") else None
     cfg = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), offload=offload(nvme_dir), cost_model=None,
-                        persist_threshold=threshold)
+                        persist_threshold=threshold, mixed_precision=mp)
     with torch.device("meta"):
         model = zoo.build("gpt-tiny", tie_head=not untied)
     engine = fxzero.compile(model, cfg, state_dict=states[untied])
-    losses = train(engine, batches, lm_loss, rank, world)
+    losses = train(engine, batches, lambda logits, y: lm_loss(logits.float(), y), rank, world)
     memory = engine.memory_report()
     io = engine.io_report()
     full = engine.full_state_dict()
@@ -138,15 +144,17 @@ def test_offloaded_training_matches_device_resident(runs, name: str) -> None:
     assert losses[-1] < losses[0], "the reference run did not learn; the comparison would be vacuous"
 
 
-@pytest.mark.parametrize("name", ["cpu", "nvme"])
+@pytest.mark.parametrize("name", ["cpu", "nvme", "bf16-cpu", "bf16-nvme"])
 def test_offloaded_states_leave_device_memory(runs, name: str) -> None:
     world, per_rank = runs
     for rank, result in enumerate(per_rank):
-        memory, base = result[name]["memory"], result["device"]["memory"]
+        memory, base = result[name]["memory"], result[_base(name)]["memory"]
         assert memory["param_shards"] == 0 and memory["optimizer_states"] == 0 and memory["grad_shards"] == 0
-        tier = name
-        # Parameters and both moments stay on the tier; gradients too (overwritten each step).
-        expected = base["param_shards"] + base["optimizer_states"] + base["param_shards"]
+        tier = name.removeprefix("bf16-")
+        # Parameters (bf16: the fp32 master and the bf16 copy) and both moments stay on the tier;
+        # gradients too (fp32, the size of a master; overwritten each step).
+        master = base["optimizer_states"] // 2
+        expected = base["param_shards"] + base["optimizer_states"] + master
         assert memory["offloaded"] == {tier: expected}, (rank, memory, base)
         io = result[name]["io"][tier]
         assert io["read"]["bytes"] > 0 and io["write"]["bytes"] > 0

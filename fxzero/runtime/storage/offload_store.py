@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
+from typing import Optional
 
 import torch
 
@@ -166,7 +167,8 @@ class OffloadStore:
         (with write-behind it is copied, and the Pending is done at once)."""
         behind = self._behind.get(self.offload.placement(kind))
         if behind is not None:
-            return behind.write(self.key(kind, unit), value, keep_until_read=kind == "param")
+            # A parameter shard (or its low-precision copy) is the next forward's first read.
+            return behind.write(self.key(kind, unit), value, keep_until_read=kind in ("param", "low"))
         return self.tier(kind).write(self.key(kind, unit), value)
 
     def drain(self) -> None:
@@ -206,11 +208,13 @@ class OffloadStore:
         self._finalizer()
 
 
-def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str]) -> dict[str, int]:
+def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str],
+                   low_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
     """Bytes each offloadable state kind takes on its tier, for one rank (`OffloadStore.reserve`).
 
     `whole`: units held whole (their parameters are never offloaded); with step_in_backward only
-    those units' gradients are ever stored.
+    those units' gradients are ever stored. `low_dtype`: mixed precision's, whose copy of each
+    offloaded parameter shard lives beside its fp32 master.
     """
     sharded = [lay for lay in layouts if lay.name not in whole]
     trainable = [lay for lay in layouts if lay.trainable]
@@ -220,8 +224,13 @@ def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str]) -> di
         return sum(OffloadStore.stored_bytes(placement, lay.shard_numel * lay.itemsize) for lay in units)
 
     stored_grads = [lay for lay in trainable if lay.name in whole] if offload.step_in_backward else trainable
+    low = 0
+    if low_dtype is not None:
+        low = sum(OffloadStore.stored_bytes(offload.placement("low"), lay.shard_numel * low_dtype.itemsize)
+                  for lay in sharded if offload.offloaded("param"))
     return {
         "param": on_tier("param", sharded),
+        "low": low,
         "grad": on_tier("grad", stored_grads),
         "exp_avg": on_tier("exp_avg", trainable),
         "exp_avg_sq": on_tier("exp_avg_sq", trainable),
