@@ -31,9 +31,10 @@ def slow_settings(config: Config, *, cuda: bool) -> list[str]:
     """One message per setting of `config` that is far slower here than it needs to be."""
     mp = config.mixed_precision
     if mp is not None and mp.param_dtype is torch.float16 and not cuda:
-        return ["MixedPrecision(param_dtype=torch.float16) on a CPU-only machine: float16 matmuls run about "
-                "200x slower than bfloat16 on this kind of CPU (0.4 against 200 GFLOP/s per core measured); "
-                "use param_dtype=torch.bfloat16, which needs no loss scaling"]
+        return ["MixedPrecision(param_dtype=torch.float16) on a CPU-only machine: float16 matmuls run hundreds "
+                "of times slower than bfloat16 on CPUs without native float16 arithmetic (0.4 GFLOP/s per core on "
+                "this project's machines, against 80-200 for bfloat16); use param_dtype=torch.bfloat16, which "
+                "needs no loss scaling"]
     return []
 
 
