@@ -54,14 +54,29 @@ def _batches():
     return make_gpt_batches(zoo.GPT_SIZES["tiny"], STEPS, GLOBAL_BATCH, seed=3)
 
 
+def _eager_mixed(model_fn, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """An eager model in `dtype`, its parameters by name, fp32 master copies and their AdamW."""
+    model = model_fn()
+    model.load_state_dict(state)
+    masters = {n: p.detach().clone().float().requires_grad_(True) for n, p in model.named_parameters()}
+    model = model.to(dtype)
+    return model, dict(model.named_parameters()), masters, torch.optim.AdamW(masters.values(), **ADAMW)
+
+
+def _update_masters(params, masters, opt, grad_sums: dict[str, torch.Tensor], divisor: float) -> None:
+    """AdamW on the fp32 masters with the summed gradients / divisor, cast back into the model."""
+    for n, m in masters.items():
+        m.grad = grad_sums[n] / divisor
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(masters[n])
+
+
 def eager_bf16_reference(world_size: int) -> list[float]:
     """Per step: the mean over ranks of the local losses, trained as the module doc says."""
-    model = _model_fn()
-    model.load_state_dict(_initial())
-    masters = {n: p.detach().clone().float().requires_grad_(True) for n, p in model.named_parameters()}
-    model = model.to(torch.bfloat16)
-    params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(masters.values(), **ADAMW)
+    model, params, masters, opt = _eager_mixed(_model_fn, _initial(), torch.bfloat16)
     losses = []
     for x, y in _batches():
         grads: dict[str, torch.Tensor] = {}
@@ -74,13 +89,7 @@ def eager_bf16_reference(world_size: int) -> list[float]:
             for n, p in params.items():
                 g = p.grad.float() if p.grad is not None else torch.zeros_like(masters[n])
                 grads[n] = grads[n] + g if n in grads else g
-        for n, m in masters.items():
-            m.grad = grads[n] / world_size
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(masters[n])
+        _update_masters(params, masters, opt, grads, world_size)
         losses.append(sum(step_losses) / world_size)
     return losses
 
@@ -244,12 +253,7 @@ def _injected(step: int, rank: int, loss: torch.Tensor) -> torch.Tensor:
 
 def eager_fp16_reference(world_size: int) -> dict[str, Any]:
     """GradScaler-style float16: scaled loss, fp32 masters, a step skipped on overflow anywhere."""
-    model = _tiny()
-    model.load_state_dict(_tiny_initial())
-    masters = {n: p.detach().clone().float().requires_grad_(True) for n, p in model.named_parameters()}
-    model = model.to(torch.float16)
-    params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(masters.values(), **ADAMW)
+    model, params, masters, opt = _eager_mixed(_tiny, _tiny_initial(), torch.float16)
     scale, losses, scales = SCALE0, [], []
     for step, (x, y) in enumerate(_batches()[:FP16_STEPS]):
         grads: dict[str, torch.Tensor] = {}
@@ -265,13 +269,7 @@ def eager_fp16_reference(world_size: int) -> dict[str, Any]:
         if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
             scale /= 2  # hysteresis 1: the first overflow halves it
         else:
-            for n, m in masters.items():
-                m.grad = grads[n] / world_size / scale
-            opt.step()
-            opt.zero_grad()
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(masters[n])
+            _update_masters(params, masters, opt, grads, world_size * scale)
         losses.append(sum(step_losses) / world_size)
         scales.append(scale)
     return {"losses": losses, "scales": scales}
