@@ -99,12 +99,11 @@ class Config:
                 f"Config.mixed_precision must be a fxzero.MixedPrecision or None, got {type(self.mixed_precision).__name__}"
             )
         mp = self.mixed_precision
-        if mp is not None and mp.loss_scale is not None and (self.offload.offloaded("grad") or self.offload.step_in_backward):
+        if mp is not None and mp.loss_scale is not None and self.offload.step_in_backward:
             raise ValueError(
                 "Config(mixed_precision=MixedPrecision(param_dtype=torch.float16)) checks every step's gradients "
-                "for overflow before anything is updated, so its gradients must stay on the device and its "
-                "updates in step(): drop Offload(grads=..., step_in_backward=True), keep grads=Device(), or use "
-                "bfloat16"
+                "for overflow before anything is updated, so its updates must run in step(): drop "
+                "Offload(step_in_backward=True), or use bfloat16"
             )
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")

@@ -66,7 +66,7 @@ class CostModel:
         if ins.kind == "optim_step":
             # AdamW reads param, grad, two moments and writes three: ~7 passes over the shard.
             return self.op_overhead_s * 10 + 7 * ins.bytes / self.mem_bytes_per_s
-        if ins.kind not in ("compute", "cast"):
+        if ins.kind not in ("compute", "cast", "check"):
             return self.op_overhead_s if ins.kind in ("wait", "free") else 0.0
         return self.op_overhead_s + max(ins.flops / self.flops_per_s, (ins.read_bytes + ins.bytes) / self.mem_bytes_per_s)
 

@@ -42,7 +42,8 @@ class Instruction:
     """The value it defines (the FX node name in its program's graph)."""
     kind: str
     """compute | all_gather | reduce_scatter | fetch | offload | wait | free | optim_step | cast
-    (mixed precision: a master shard into its low-precision copy)."""
+    (mixed precision: a master shard into its low-precision copy) | check (float16: whether a
+    gradient shard is finite)."""
     stream: str
     """compute | comm | io: collectives run on the comm stream, transfers to and from a storage
     tier (fetch, offload) on the io stream, everything else computes."""

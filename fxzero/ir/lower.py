@@ -21,7 +21,7 @@ from fxzero.ir.tags import is_kind, kind
 
 __all__ = ["buffer_of", "gathered_root", "instruction_of", "is_fetched_shard"]
 
-_KINDS = ("all_gather", "reduce_scatter", "wait", "free", "optim_step", "cast", *IO)
+_KINDS = ("all_gather", "reduce_scatter", "wait", "free", "optim_step", "cast", "check", *IO)
 """Node kinds that lower to an instruction of their own kind; every other node computes."""
 
 
@@ -107,6 +107,9 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
     read_bytes = sum(nbytes(i.meta.get("val")) for i in node.all_input_nodes) if k == "compute" else 0
     if k == "cast":
         read_bytes = numel * itemsize_of(node.args[1], layout.itemsize)
+    if k == "check":  # reads the gradient shard once
+        numel, size = 0, 0
+        read_bytes = nbytes(node.args[0].meta.get("val"))
     if k == "compute" and alias_source(node) is not None:
         size = read_bytes = 0  # a view moves no data
     scatter = k == "reduce_scatter"

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "cast_into", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
+__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "cast_into", "check_finite", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
            "wait"]
 
 _lib = "fxzero"
@@ -203,6 +203,19 @@ def _(low, master, unit):
     return None
 
 
+@torch.library.custom_op(f"{_lib}::check_finite", mutates_args=())
+def check_finite(grad: torch.Tensor, unit: str) -> torch.Tensor:
+    """Whether `unit`'s gradient shard holds only finite values: a 1-element flag the runtime
+    records for the step's agreement on overflow (float16 loss scaling; [Note: one flag per
+    step] in fxzero/runtime/loss_scale.py). The result is an empty token."""
+    return grad.new_empty(0)
+
+
+@check_finite.register_fake
+def _(grad: torch.Tensor, unit: str) -> torch.Tensor:
+    return grad.new_empty(0)
+
+
 OPS = {
     "all_gather": torch.ops.fxzero.all_gather.default,
     "reduce_scatter": torch.ops.fxzero.reduce_scatter.default,
@@ -214,4 +227,5 @@ OPS = {
     "adamw": torch.ops.fxzero.adamw.default,
     "all_gather_into": torch.ops.fxzero.all_gather_into.default,
     "cast_into": torch.ops.fxzero.cast_into.default,
+    "check_finite": torch.ops.fxzero.check_finite.default,
 }

@@ -4,6 +4,7 @@ from fxzero.config import Config
 from fxzero.ir.layout import UnitLayout
 from fxzero.passes import (
     canonicalize,
+    check_gradients,
     choose_collectives,
     insert_gather_free,
     insert_reduce_scatter,
@@ -50,6 +51,8 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         # (With offloaded parameters the backward's gathers stay: they read the shards an update
         # in the backward writes; the fetched shards are kept instead.)
         passes.append(keep_for_backward.make(buffer="gathered"))
+    if mp is not None and mp.loss_scale is not None:  # float16: an overflow anywhere skips the step
+        passes.append(check_gradients.PASS)
     if "grad" in tiers:
         passes.append(offload_grads.make(tier=tiers["grad"], lookahead=lookahead))
     passes += [

@@ -38,7 +38,7 @@ def offload_grads_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str, looka
     for pos, r in enumerate(results):
         if not (isinstance(r, fx.Node) and is_kind(r, "wait") and is_kind(r.args[0], "reduce_scatter")):
             continue
-        if any(u is not out for u in r.users):
+        if any(u is not out and not is_kind(u, "check") for u in r.users):
             continue  # read inside the program (an update in the backward): nothing to store
         unit = r.meta["fxzero"]["unit"]
         with graph.inserting_after(r):

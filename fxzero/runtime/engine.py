@@ -25,7 +25,7 @@ from fxzero.config import Config
 from fxzero.ir.instruction import Instruction
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
-from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.executor import GatheredMemory, GradientFlags, ProgramRunner
 from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
 from fxzero.runtime.optim import AdamWState, adamw_step
 from fxzero.runtime.state import RankState
@@ -80,6 +80,8 @@ class Engine:
         self._scaler = LossScaler(mp.loss_scale) if mp is not None and mp.loss_scale is not None else None
         self._loss_flag: Optional[tuple[Any, torch.Tensor]] = None  # [Note: one flag per step]
         self._inv_scale = 1.0  # the gradients' unscaling factor in the step being taken
+        self._flags = GradientFlags()  # float16: what the backward's gradient checks found
+        self._first_bad: Optional[str] = None
         self.steps_taken = 0
         """Calls of step() so far, skipped ones included."""
         self.skipped_steps = 0
@@ -98,7 +100,7 @@ class Engine:
 
             def runner(name: str) -> ProgramRunner:
                 return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
-                                     self.store, update, pool=self._pool)
+                                     self.store, update, pool=self._pool, flags=self._flags)
 
             self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"))
         return self._cache[key]
@@ -212,6 +214,8 @@ class Engine:
     def _nonfinite_error(self, what: str) -> RuntimeError:
         self.state.settle_grads()
         unit = first_nonfinite((lay.name, self.state.grads.get(lay.name)) for lay in self.layouts)
+        if unit is None and self._scaler is not None:  # gradients on a tier: as the backward saw them
+            unit = self._first_bad
         where = (f"the first unit whose gradient is not finite on this rank is {unit!r}" if unit is not None
                  else "this rank's gradients are finite (another rank's are not)")
         return RuntimeError(f"[rank {self.rank}] step {self.steps_taken + 1}: {what}; {where}. Lower the learning "
@@ -225,8 +229,9 @@ class Engine:
                 raise self._nonfinite_error("the loss is not finite on some rank")
             self._inv_scale = 1.0
             return True
-        self.state.settle_grads()
-        bad = first_nonfinite(self.state.grads.items()) is not None
+        # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
+        bad, self._first_bad = self._flags.nonfinite, self._flags.first
+        self._flags.reset()
         flag = torch.tensor([1.0 if bad else 0.0])
         overflow = self.comm.all_reduce(flag, count=False).wait().item() > 0
         scale = self._scaler.scale

@@ -27,7 +27,7 @@ from fxzero.runtime.storage.offload_store import OffloadStore
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import ProgramSchedule
 
-__all__ = ["GatheredMemory", "ProgramRunner", "Timed", "Update"]
+__all__ = ["GatheredMemory", "GradientFlags", "ProgramRunner", "Timed", "Update"]
 
 
 class Timed(NamedTuple):
@@ -60,6 +60,22 @@ class GatheredMemory:
     def stage(self, n: int) -> None:
         self.staged += n
         self.staged_peak = max(self.staged_peak, self.staged)
+
+
+@dataclasses.dataclass
+class GradientFlags:
+    """What the backward's `check` instructions found since the last step (float16)."""
+
+    nonfinite: bool = False
+    first: Optional[str] = None
+    """The first unit whose gradient was not finite."""
+
+    def record(self, unit: str, finite: bool) -> None:
+        if not finite and not self.nonfinite:
+            self.nonfinite, self.first = True, unit
+
+    def reset(self) -> None:
+        self.nonfinite, self.first = False, None
 
 
 class _Written(NamedTuple):
@@ -96,12 +112,14 @@ class ProgramRunner:
         store: the offloaded states (programs with fetch / offload instructions).
         update: runs `optim_step` instructions (programs that update units).
         pool: per-unit buffers reused across units and steps.
+        flags: where `check` instructions record non-finite gradients (shared by the engine).
     """
 
     def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory,
                  store: Optional[OffloadStore] = None, update: Optional[Update] = None,
-                 pool: Optional[BufferPool] = None):
+                 pool: Optional[BufferPool] = None, flags: Optional[GradientFlags] = None):
         self.program = program
+        self.flags = flags if flags is not None else GradientFlags()
         self.comm = comm
         self.memory = memory
         self.store = store
@@ -240,6 +258,16 @@ class ProgramRunner:
             low.copy_(master)
 
         return cast
+
+    def _check(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
+        (src,) = ins.reads
+        flags, unit = self.flags, ins.unit
+
+        def check(env: dict) -> torch.Tensor:
+            flags.record(unit, bool(torch.isfinite(env[src]).all()))
+            return _TOKEN
+
+        return check
 
     def _wait(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         (src,) = ins.reads

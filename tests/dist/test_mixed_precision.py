@@ -275,8 +275,10 @@ def eager_fp16_reference(world_size: int) -> dict[str, Any]:
     return {"losses": losses, "scales": scales}
 
 
-def _train_fp16(rank: int, world_size: int) -> dict[str, Any]:
-    cfg = fxzero.Config(optimizer=fxzero.AdamW(**ADAMW), cost_model=None, mixed_precision=FP16)
+def _train_fp16(rank: int, world_size: int, offload: bool = False) -> dict[str, Any]:
+    # offload: gradients (and moments) on the cpu tier: checked as the backward reduces them.
+    placement = fxzero.Offload(optimizer=fxzero.Cpu()) if offload else fxzero.Offload()
+    cfg = fxzero.Config(optimizer=fxzero.AdamW(**ADAMW), cost_model=None, mixed_precision=FP16, offload=placement)
     with torch.device("meta"):
         model = _tiny()
     with pytest.warns(SlowSetting, match="float16 matmuls"):
@@ -336,7 +338,9 @@ def _nan_loss(rank: int, world_size: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fp16_runs() -> dict[str, list]:
-    return {"train": run_ranks(_train_fp16, WORLD, timeout_s=280), "stuck": run_ranks(_stuck, WORLD, timeout_s=200),
+    return {"train": run_ranks(_train_fp16, WORLD, timeout_s=280),
+            "offloaded": run_ranks(_train_fp16, WORLD, True, timeout_s=280),
+            "stuck": run_ranks(_stuck, WORLD, timeout_s=200),
             "nan": run_ranks(_nan_loss, WORLD, timeout_s=200)}
 
 
@@ -346,6 +350,8 @@ def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank_and_halves_the_
         assert rank["skipped"] == [0] * OVERFLOW_AT + [1] * (FP16_STEPS - OVERFLOW_AT)
         assert rank["scales"] == ref["scales"] == [SCALE0] * OVERFLOW_AT + [SCALE0 / 2] * (FP16_STEPS - OVERFLOW_AT)
     got = fp16_runs["train"][0]["losses"]
+    # With the gradients on the cpu tier the same overflow is seen as they are reduced: the same run.
+    assert fp16_runs["offloaded"][0] == fp16_runs["train"][0]
     clean = [i for i in range(FP16_STEPS) if i != OVERFLOW_AT]
     assert _relative([got[i] for i in clean], [ref["losses"][i] for i in clean]) <= TRACK_BF16, (got, ref["losses"])
     assert ref["losses"][-1] < ref["losses"][0], "the reference must learn after the skipped step"
