@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,13 @@ import torch.nn as nn
 from fxzero import cost
 from fxzero.compiler import compile_program, plan_layouts
 from fxzero.config import Config
+from fxzero.config.batch import resolve_batch
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
 from fxzero.runtime.comm import make_comm
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.materialize import materialize
+from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers
 from fxzero.units import persistent_units
@@ -46,29 +48,39 @@ def compile(
     config: Optional[Config] = None,
     *,
     state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+    model_parameters: Optional[Iterable[Any]] = None,
 ) -> Engine:
     """Compile `model` for ZeRO training on this process's ranks.
 
     Args:
         model: the module; build it under `torch.device("meta")` so no rank ever allocates
             the full parameters.
-        config: stage, units and optimizer; defaults to `fxzero.Config()` (ZeRO-3, AdamW).
+        config: stage, units and optimizer: a `fxzero.Config`, or a DeepSpeed config as a dict or
+            a JSON file's path (read strictly, `fxzero.config.deepspeed`); defaults to
+            `fxzero.Config()` (ZeRO-3, AdamW).
         state_dict: full initial values (e.g. a checkpoint), loaded unit by unit; without it a
             meta model is initialized by its modules' own `reset_parameters()`.
+        model_parameters: the parameters, or param groups (dicts of "params" and options such as
+            "weight_decay"), as a torch optimizer takes them; None: one group of all.
     """
     if config is None:
         config = Config()
+    if isinstance(config, (dict, str, os.PathLike)):
+        config = Config.from_deepspeed(config)
     if not isinstance(config, Config):
         raise TypeError(
-            f"config must be a fxzero.Config, got {type(config).__name__}; for a DeepSpeed "
-            "dict use fxzero.Config.from_deepspeed(ds_config)"
+            f"config must be a fxzero.Config, or a DeepSpeed config (a dict or a JSON file's path), "
+            f"got {type(config).__name__}"
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
+    groups, group_of = param_groups(model, model_parameters)  # (checked before any rank allocates)
     _ensure_process_group()
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
     comm = make_comm(config.link_emulation, config.transport)
+    batch = resolve_batch(config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                          config.gradient_accumulation_steps, comm.world_size)
     seeded = state_dict is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
@@ -92,7 +104,8 @@ def compile(
     if config.mixed_precision is not None:
         _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
-    return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler)
+    return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
+                  optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
 
 
 def _spill(store: OffloadStore, mp, unit: str, shard: torch.Tensor) -> None:

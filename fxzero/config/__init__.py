@@ -8,12 +8,13 @@
 
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import STATE_KINDS, Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config.policies import Adam, AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
 from fxzero.config.precision import LossScale, MixedPrecision
 
 __all__ = [
     "STATE_KINDS",
     "TRANSPORTS",
+    "Adam",
     "AdamW",
     "Bucket",
     "Config",

@@ -60,6 +60,25 @@ class Config:
     collectives (gloo over loopback TCP, NCCL) always."""
     offload: Offload = Offload()
     """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
+    gradient_accumulation_steps: Optional[int] = None
+    """Micro-steps per optimizer step: `engine.step()` updates at every n-th call; the gradients of
+    the calls between accumulate in the gradient shards (each backward's loss divided by n, as
+    DeepSpeed does). None: implied by the two batch sizes below when both are given, else 1."""
+    train_batch_size: Optional[int] = None
+    """Samples per optimizer step over all ranks (DeepSpeed's); with the two fields around it, one
+    triple checked against the world size when the engine starts (`fxzero/config/batch.py`)."""
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    """Samples per rank per forward: the batch `fxzero.initialize`'s dataloader yields."""
+    gradient_clipping: Optional[float] = None
+    """Clip the gradient's global norm (over all ranks' shards) to this before each update, as
+    torch.nn.utils.clip_grad_norm_ (DeepSpeed's gradient_clipping); None: no clipping."""
+    lr_schedule: Any = None
+    """The learning rate over the optimizer steps: one of DeepSpeed's schedules
+    (`fxzero.WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`), stepped by
+    the engine at each boundary; None: constant (or a torch scheduler the user steps)."""
+    steps_per_print: Optional[int] = None
+    """Every n optimizer steps, each rank logs the step, loss, lr, loss scale, step time and memory
+    (DeepSpeed's log line); None: no log line."""
     mixed_precision: Optional[MixedPrecision] = None
     """Compute and gather in bfloat16 or float16 with fp32 master shards (`fxzero.MixedPrecision`);
     None trains in the model's own dtype (fp32)."""
@@ -105,6 +124,15 @@ class Config:
                 "for overflow before anything is updated, so its updates must run in step(): drop "
                 "Offload(step_in_backward=True), or use bfloat16"
             )
+        for name in ("gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"Config.{name} must be an int >= 1 (or None), got {value!r}")
+        if self.steps_per_print is not None and not (isinstance(self.steps_per_print, int) and self.steps_per_print >= 1):
+            raise ValueError(f"Config.steps_per_print must be an int >= 1 (or None: no log line), got "
+                             f"{self.steps_per_print!r}")
+        if self.gradient_clipping is not None and not self.gradient_clipping > 0:
+            raise ValueError(f"Config.gradient_clipping must be > 0 (None: no clipping), got {self.gradient_clipping!r}")
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
 

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-__all__ = ["AdamW", "Bucket", "LinkEmulation", "Prefetch", "UnitsPolicy"]
+__all__ = ["Adam", "AdamW", "Bucket", "LinkEmulation", "Prefetch", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,15 @@ class AdamW:
             raise ValueError(f"AdamW.eps must be >= 0, got {self.eps}")
         if not self.weight_decay >= 0.0:
             raise ValueError(f"AdamW.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adam(AdamW):
+    """Adam with the semantics of `torch.optim.Adam`: weight decay is L2, added to the gradient
+    (DeepSpeed's "Adam" with "adam_w_mode": false); otherwise as `AdamW`."""
+
+    weight_decay: float = 0.0
+    """L2 penalty, added to the gradient as grad + weight_decay * param."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,12 +22,15 @@ import torch.nn as nn
 
 from fxzero._compat import pytree
 from fxzero.config import Config
+from fxzero.config.batch import BatchSizes
 from fxzero.ir.instruction import Instruction
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
-from fxzero.runtime.executor import GatheredMemory, GradientFlags, ProgramRunner
-from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
-from fxzero.runtime.optim import AdamWState, adamw_step
+from fxzero.runtime.comm import Pending
+from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.optimizer import ShardedOptimizer
+from fxzero.runtime.stepping import StepControl
+from fxzero.runtime.optim import AdamWState, adamw_step, group_ranges
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import check_fingerprints
@@ -52,12 +55,16 @@ class Engine:
     """Runs a model under ZeRO on this rank. Build it with `fxzero.compile`."""
 
     def __init__(self, model: nn.Module, config: Config, *, comm: Comm, cost_model: Any, state: RankState,
-                 compiler: Compiler) -> None:
+                 compiler: Compiler, optimizer: ShardedOptimizer, group_of: dict[str, int],
+                 batch: BatchSizes) -> None:
         """See `fxzero.api.compile`, which builds every argument.
 
         Args:
             state: this rank's model states, materialized (parameters and buffers).
             compiler: compiles the program of a new input signature.
+            optimizer: the param groups' hyperparameters, read at every update.
+            group_of: each parameter FQN's param group (absent: group 0).
+            batch: the batch triple, resolved for this world (`fxzero/config/batch.py`).
         """
         self.config = config
         self.comm = comm
@@ -76,16 +83,10 @@ class Engine:
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
-        mp = config.mixed_precision
-        self._scaler = LossScaler(mp.loss_scale) if mp is not None and mp.loss_scale is not None else None
-        self._loss_flag: Optional[tuple[Any, torch.Tensor]] = None  # [Note: one flag per step]
-        self._inv_scale = 1.0  # the gradients' unscaling factor in the step being taken
-        self._flags = GradientFlags()  # float16: what the backward's gradient checks found
-        self._first_bad: Optional[str] = None
-        self.steps_taken = 0
-        """Calls of step() so far, skipped ones included."""
-        self.skipped_steps = 0
-        """Steps skipped because float16 gradients overflowed (on every rank alike)."""
+        self.optimizer = optimizer
+        self._group_of = group_of
+        self._ranges: dict[tuple[str, frozenset], list] = {}  # (unit, gradless) -> its shard's group ranges
+        self.control = StepControl(config, comm, state, batch)  # accumulation, scaling, clipping, schedule
 
     # -- programs --------------------------------------------------------------------------
 
@@ -100,7 +101,7 @@ class Engine:
 
             def runner(name: str) -> ProgramRunner:
                 return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
-                                     self.store, update, pool=self._pool, flags=self._flags)
+                                     self.store, update, pool=self._pool, flags=self.control.flags)
 
             self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"))
         return self._cache[key]
@@ -184,12 +185,21 @@ class Engine:
         results = runners.backward.run(env, self._record)
         grads = self.state.grads
         for (_, unit), grad in zip(program.outputs, results):
-            if unit in grads:
-                raise RuntimeError(
-                    f"[rank {self.rank}] unit {unit!r} already holds a gradient: call step() "
-                    "between backward passes (gradient accumulation is not supported yet)"
-                )
-            grads[unit] = grad
+            if unit in grads:  # accumulation (or two forwards into one loss): into the shard held
+                self._accumulate(unit, grad)
+            else:
+                grads[unit] = grad
+
+    def _accumulate(self, unit: str, grad: Any) -> None:
+        held = self.state.grads[unit]
+        held = held.wait() if isinstance(held, Pending) else held
+        grad = grad.wait() if isinstance(grad, Pending) else grad
+        if held.numel() == 0 or grad.numel() == 0:
+            raise RuntimeError(
+                f"[rank {self.rank}] unit {unit!r}: gradient accumulation adds into the gradient shard in memory, "
+                "and this one is on a tier: keep Offload(grads=Device()) to accumulate, or use "
+                "gradient_accumulation_steps=1")
+        self.state.grads[unit] = held.add_(grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` through the last forward: the same as `loss.backward()`."""
@@ -198,52 +208,23 @@ class Engine:
                 f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
                 "engine's outputs (it does not require grad: was it computed under no_grad?)"
             )
-        if self._scaler is not None:  # float16: gradients of the scaled loss (checked in step())
-            (loss.float() * self._scaler.scale).backward()
-            return
-        # [Note: one flag per step] in runtime/loss_scale.py: reduced ahead of the backward's collectives.
-        flag = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
-        self._loss_flag = (self.comm.all_reduce(flag, count=False), flag)
-        loss.backward()
+        # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
+        self.control.loss_to_backward(loss).backward()
 
     @property
     def loss_scale(self) -> Optional[float]:
         """The float16 loss scale the next backward multiplies the loss by (None without scaling)."""
-        return self._scaler.scale if self._scaler is not None else None
+        return self.control.scaler.scale if self.control.scaler is not None else None
 
-    def _nonfinite_error(self, what: str) -> RuntimeError:
-        self.state.settle_grads()
-        unit = first_nonfinite((lay.name, self.state.grads.get(lay.name)) for lay in self.layouts)
-        if unit is None and self._scaler is not None:  # gradients on a tier: as the backward saw them
-            unit = self._first_bad
-        where = (f"the first unit whose gradient is not finite on this rank is {unit!r}" if unit is not None
-                 else "this rank's gradients are finite (another rank's are not)")
-        return RuntimeError(f"[rank {self.rank}] step {self.steps_taken + 1}: {what}; {where}. Lower the learning "
-                            "rate, check the inputs of this step, or (float16) use bfloat16")
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because float16 gradients overflowed (on every rank alike)."""
+        return self.control.skipped_steps
 
-    def _agree_on_gradients(self) -> bool:
-        """Whether every rank may update this step ([Note: one flag per step]); False: skip it."""
-        if self._scaler is None:
-            pending, self._loss_flag = self._loss_flag, None
-            if pending is not None and pending[0].wait().item() > 0:
-                raise self._nonfinite_error("the loss is not finite on some rank")
-            self._inv_scale = 1.0
-            return True
-        # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
-        bad, self._first_bad = self._flags.nonfinite, self._flags.first
-        self._flags.reset()
-        flag = torch.tensor([1.0 if bad else 0.0])
-        overflow = self.comm.all_reduce(flag, count=False).wait().item() > 0
-        scale = self._scaler.scale
-        self._scaler.update(overflow)
-        if not overflow:
-            self._inv_scale = 1.0 / scale
-            return True
-        if self._scaler.is_stuck:
-            raise self._nonfinite_error(
-                f"the float16 loss scale is stuck at its minimum {self._scaler.policy.min_scale:g}: "
-                f"{self._scaler.policy.window} steps in a row overflowed")
-        return False
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps (accumulation boundaries) so far, skipped ones included."""
+        return self.control.global_steps
 
     # -- optimizer step --------------------------------------------------------------------
 
@@ -256,21 +237,35 @@ class Engine:
             param = param[lo:hi]
         if grad.dtype != param.dtype:  # gradients reduced in the compute dtype (MixedPrecision(reduce_dtype=None))
             grad = grad.to(param.dtype)
-        if self._inv_scale != 1.0:  # float16: the gradients of the scaled loss
-            grad = grad.mul(self._inv_scale)
+        if self.control.multiplier != 1.0:  # float16's unscaling, the clip coefficient
+            grad = grad.mul(self.control.multiplier)
+        key = (ins.unit, gradless)
+        if key not in self._ranges:
+            self._ranges[key] = group_ranges(layout, self.rank, self._group_of, skip=gradless)
         adam = AdamWState(exp_avg, exp_avg_sq, self.state.steps.get(ins.unit, 0))
-        adamw_step(param, grad, adam, self.config.optimizer, layout.shard_ranges(self.rank, skip=gradless))
+        adamw_step(param, grad, adam, self.optimizer.param_groups, self._ranges[key],
+                   decoupled=self.optimizer.decoupled)
         self.state.steps[ins.unit] = adam.step
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() updates (DeepSpeed's name): every gradient_accumulation_steps-th."""
+        return self.control.boundary
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on this rank's shard of every trainable unit, then clear the gradients.
+        """At an accumulation boundary: AdamW on this rank's shard of every trainable unit, then
+        clear the gradients and step the LR schedule; between boundaries, nothing (the gradients
+        accumulate).
 
         With float16 loss scaling a step whose gradients overflowed on any rank is skipped on every
         rank (`skipped_steps`); a non-finite loss (bfloat16, fp32) is an error on every rank.
         """
         if self._last is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
+        boundary = self.control.boundary
+        self.control.micro_steps += 1
+        if not boundary:
+            return
         runner = self._last.step
         grads = self.state.grads
         missing = [i.unit for i in runner.program.instructions if i.kind == "optim_step" and i.unit not in grads]
@@ -279,12 +274,11 @@ class Engine:
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
-        if self._agree_on_gradients():
+        update = self.control.agree(self.layouts)
+        if update:
             runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
-        else:
-            self.skipped_steps += 1
-        self.steps_taken += 1
         grads.clear()
+        self.control.stepped(self.optimizer, skipped=not update)
 
     def zero_grad(self) -> None:
         self.state.settle_grads()

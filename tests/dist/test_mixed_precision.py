@@ -309,7 +309,7 @@ def _stuck(rank: int, world_size: int) -> str:
         try:
             engine.step()
         except RuntimeError as e:
-            return f"{engine.steps_taken} {engine.skipped_steps}: {e}"
+            return f"{engine.global_steps} {engine.skipped_steps}: {e}"
     return "no error"
 
 

@@ -1,0 +1,134 @@
+"""What happens between the backwards and the update: loss scaling, gradient accumulation,
+agreement on finite gradients, clipping by the global norm, and the LR schedule.
+
+`StepControl` is the engine's: `engine.backward(loss)` asks it how to scale the loss (float16's
+scale, and 1 / gradient_accumulation_steps), `engine.step()` asks it whether this call is an
+accumulation boundary, whether every rank may update ([Note: one flag per step] in
+`loss_scale.py`), and by what factor each gradient is multiplied before the update (the
+unscaling and the clip coefficient, one multiplier). After the update it steps the optimizer
+as torch's schedulers count ([Note: who steps] in `optimizer.py`) and the LR schedule.
+
+[Note: clipping from shards]
+The global norm is the square root of the sum over ranks of each rank's sum of squares over its
+gradient shards (shards do not overlap, and padding and the gradients of parameters no output
+depends on are zero): one scalar all-reduce, after every gradient has arrived. As
+`torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), applied when below 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from fxzero.config import Config
+from fxzero.config.batch import BatchSizes
+from fxzero.runtime.comm import Comm
+from fxzero.runtime.executor import GradientFlags
+from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
+from fxzero.runtime.state import RankState
+
+__all__ = ["StepControl"]
+
+
+class StepControl:
+    def __init__(self, config: Config, comm: Comm, state: RankState, batch: BatchSizes) -> None:
+        mp = config.mixed_precision
+        self.comm, self.state = comm, state
+        self.batch = batch
+        self.accumulation = batch.gradient_accumulation_steps
+        self.clip = config.gradient_clipping
+        self.scaler = LossScaler(mp.loss_scale) if mp is not None and mp.loss_scale is not None else None
+        self.flags = GradientFlags()
+        """float16: what the backward's gradient checks found since the last boundary."""
+        self.lr_scheduler: Any = None
+        self.micro_steps = 0
+        """Calls of engine.step() so far."""
+        self.global_steps = 0
+        """Optimizer steps so far (accumulation boundaries), skipped ones included."""
+        self.skipped_steps = 0
+        self.grad_norm: Optional[float] = None
+        self.multiplier = 1.0
+        """What each gradient is multiplied by in the update being taken (unscale x clip)."""
+        self._loss_flags: list[tuple[Any, torch.Tensor]] = []
+        self._first_bad: Optional[str] = None
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def loss_to_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to run the backward from: the loss, over the accumulation steps, scaled."""
+        if self.scaler is None:
+            # [Note: one flag per step]: reduced ahead of the backward's collectives.
+            flag = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+            self._loss_flags.append((self.comm.all_reduce(flag, count=False), flag))
+            return loss / self.accumulation if self.accumulation > 1 else loss
+        return loss.float() * (self.scaler.scale / self.accumulation)
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the next engine.step() updates (the last micro-step of an accumulation)."""
+        return (self.micro_steps + 1) % self.accumulation == 0
+
+    # -- the update ---------------------------------------------------------------------------
+
+    def nonfinite_error(self, what: str, layouts) -> RuntimeError:
+        self.state.settle_grads()
+        unit = first_nonfinite((lay.name, self.state.grads.get(lay.name)) for lay in layouts)
+        if unit is None and self.scaler is not None:  # gradients on a tier: as the backward saw them
+            unit = self._first_bad
+        where = (f"the first unit whose gradient is not finite on this rank is {unit!r}" if unit is not None
+                 else "this rank's gradients are finite (another rank's are not)")
+        return RuntimeError(f"[rank {self.comm.rank}] step {self.global_steps + 1}: {what}; {where}. Lower the "
+                            "learning rate, check the inputs of this step, or (float16) use bfloat16")
+
+    def agree(self, layouts) -> bool:
+        """Whether every rank may update now ([Note: one flag per step]); False: skip this step.
+        Sets `multiplier` (unscaling and clipping) for the update."""
+        self.multiplier = 1.0
+        if self.scaler is None:
+            pending, self._loss_flags = self._loss_flags, []
+            if any(p.wait().item() > 0 for p, _ in pending):
+                raise self.nonfinite_error("the loss is not finite on some rank", layouts)
+        else:
+            # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
+            bad, self._first_bad = self.flags.nonfinite, self.flags.first
+            self.flags.reset()
+            overflow = self.comm.all_reduce(torch.tensor([1.0 if bad else 0.0]), count=False).wait().item() > 0
+            scale = self.scaler.scale
+            self.scaler.update(overflow)
+            if overflow:
+                if self.scaler.is_stuck:
+                    raise self.nonfinite_error(
+                        f"the float16 loss scale is stuck at its minimum {self.scaler.policy.min_scale:g}: "
+                        f"{self.scaler.policy.window} steps in a row overflowed", layouts)
+                return False
+            self.multiplier = 1.0 / scale
+        if self.clip is not None:
+            self.multiplier *= self._clip_coefficient()
+        return True
+
+    def _clip_coefficient(self) -> float:
+        """See [Note: clipping from shards]; also records `grad_norm` (of the unscaled gradient)."""
+        self.state.settle_grads()
+        local = 0.0
+        for unit, grad in self.state.grads.items():
+            if not isinstance(grad, torch.Tensor) or grad.numel() == 0:
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] gradient_clipping needs every gradient shard in memory at the step, "
+                    f"and unit {unit!r}'s is on a tier: keep Offload(grads=Device()) to clip")
+            local += float(grad.float().square().sum())
+        total = self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False).wait().item()
+        self.grad_norm = math.sqrt(total) * self.multiplier
+        coefficient = self.clip / (self.grad_norm + 1e-6)
+        return coefficient if coefficient < 1.0 else 1.0
+
+    def stepped(self, optimizer, skipped: bool) -> None:
+        """After a boundary: count it, step the optimizer for the schedulers and the schedule."""
+        self.global_steps += 1
+        if skipped:
+            self.skipped_steps += 1
+            return
+        optimizer.mark_stepped()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
