@@ -32,7 +32,14 @@ _EXPORTS = {
     "Offload": "fxzero.config",
     "Prefetch": "fxzero.config",
     "UnitsPolicy": "fxzero.config",
+    "LRRangeTest": "fxzero.config.schedules",
+    "OneCycle": "fxzero.config.schedules",
+    "WarmupCosineLR": "fxzero.config.schedules",
+    "WarmupDecayLR": "fxzero.config.schedules",
+    "WarmupLR": "fxzero.config.schedules",
     "compile": "fxzero.api",
+    "init_distributed": "fxzero.deepspeed_api",
+    "initialize": "fxzero.deepspeed_api",
     "compile_program": "fxzero.compiler",
 }
 """Public name -> the module that defines it."""

@@ -23,15 +23,17 @@ from fxzero import cost
 from fxzero.compiler import compile_program, plan_layouts
 from fxzero.config import Config
 from fxzero.config.batch import resolve_batch
+from fxzero.config.batch import BatchSizes
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
+from fxzero.config.notices import print_once
 from fxzero.runtime.comm import make_comm
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
-from fxzero.runtime.materialize import materialize
+from fxzero.runtime.materialize import broadcast_initial_values, materialize
 from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers
-from fxzero.units import persistent_units
+from fxzero.units import persistence_differences, persistent_units
 
 __all__ = ["compile"]
 
@@ -85,9 +87,13 @@ def compile(
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
     warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)
+    if state_dict is None and not seeded and comm.world_size > 1:
+        broadcast_initial_values(model)  # every rank starts from rank 0's values
     cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
     layouts = plan_layouts(model, config, comm.world_size, cost_model)
     whole = persistent_units(config, layouts)  # units held whole, not sharded
+    warn_ineffective(persistence_differences(config, layouts))
+    _report_batch(config, batch, comm.world_size)
     store: Optional[OffloadStore] = None
     spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
     if config.offload.tiers():
@@ -106,6 +112,15 @@ def compile(
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
     return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
                   optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
+
+
+def _report_batch(config: Config, batch: BatchSizes, world_size: int) -> None:
+    """Say once what the batch sizes the config left out were resolved to."""
+    given = (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps)
+    if batch.train_batch_size is not None and None in given:
+        print_once([f"batch: train_batch_size {batch.train_batch_size} = train_micro_batch_size_per_gpu "
+                    f"{batch.micro_batch_size} x gradient_accumulation_steps {batch.gradient_accumulation_steps} "
+                    f"x world size {world_size}"])
 
 
 def _spill(store: OffloadStore, mp, unit: str, shard: torch.Tensor) -> None:

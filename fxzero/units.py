@@ -171,3 +171,20 @@ def bucket_units(layouts: list[UnitLayout], *, max_bytes: int) -> list[UnitLayou
 def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:
     """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3."""
     return frozenset(u.name for u in layouts if config.persistent(u.numel))
+
+
+def persistence_differences(config: Config, layouts: list[UnitLayout]) -> list[str]:
+    """Where `Config.persist_threshold` (per unit) keeps less whole than DeepSpeed's
+    stage3_param_persistence_threshold (per parameter) would: one message, or none."""
+    if config.stage != 3 or not config.persist_threshold:
+        return []
+    small = [(s.fqn, s.numel) for u in layouts if not config.persistent(u.numel) for s in u.slots
+             if s.numel < config.persist_threshold]
+    if not small:
+        return []
+    names = ", ".join(f for f, _ in small[:3]) + (" ..." if len(small) > 3 else "")
+    return [f"persist_threshold={config.persist_threshold} is per unit in fxzero: {len(small)} parameters "
+            f"({sum(n for _, n in small)} elements; {names}) are below it but sit in units of more parameters, "
+            "so fxzero shards them with their unit where DeepSpeed's per-parameter "
+            "stage3_param_persistence_threshold would keep each whole. The result is the same; only the gathers "
+            "differ (each such parameter is gathered with its unit)"]

@@ -20,7 +20,8 @@ import dataclasses
 import os
 from typing import Any, Literal, Optional, Union
 
-from fxzero.config.deepspeed import config_fields
+from fxzero.config.deepspeed import read_deepspeed
+from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
 from fxzero.config.precision import MixedPrecision
 from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
@@ -76,6 +77,8 @@ class Config:
     """The learning rate over the optimizer steps: one of DeepSpeed's schedules
     (`fxzero.WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`), stepped by
     the engine at each boundary; None: constant (or a torch scheduler the user steps)."""
+    dataloader_drop_last: bool = False
+    """Whether the dataloader `fxzero.initialize` returns drops each epoch's last, incomplete batch."""
     steps_per_print: Optional[int] = None
     """Every n optimizer steps, each rank logs the step, loss, lr, loss scale, step time and memory
     (DeepSpeed's log line); None: no log line."""
@@ -142,5 +145,10 @@ class Config:
 
     @classmethod
     def from_deepspeed(cls, ds: Union[dict[str, Any], str, os.PathLike]) -> "Config":
-        """Build a Config from a DeepSpeed config dict or JSON file; see `fxzero.config.deepspeed`."""
-        return cls(**config_fields(ds))
+        """Build a Config from a DeepSpeed config dict or JSON file, read strictly (every key used,
+        warned about once where it changes nothing, or an error; see `fxzero.config.deepspeed`).
+        The "auto" values it resolves are printed once."""
+        reading = read_deepspeed(ds)
+        warn_ineffective(reading.ineffective)
+        print_once(reading.resolved)
+        return cls(**reading.fields)

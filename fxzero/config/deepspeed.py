@@ -1,25 +1,96 @@
-"""A DeepSpeed config (dict or JSON file) read as the fields of a `fxzero.Config`.
+"""A DeepSpeed config (dict or JSON file) read strictly, as the fields of a `fxzero.Config`.
 
-`Config.from_deepspeed(ds)` is `Config(**config_fields(ds))`; this module does not import
+Every key is looked up in the key table (`fxzero/config/deepspeed_keys.py`): a key that sets
+what fxzero does is read into its field; one that changes nothing in fxzero is named in one
+warning with the reason; one fxzero does not have, set to a value that would change training,
+is an error; a key DeepSpeed does not have either is an error naming the nearest one. A missing
+key takes DeepSpeed's default (so `stage3_param_persistence_threshold` is 100000 unless given).
+
+`Config.from_deepspeed(ds)` is `Config(**read_deepspeed(ds).fields)`; this module does not import
 `Config`, so the two do not import each other.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
-from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
 import torch
 
-from fxzero.config.policies import AdamW, Prefetch
+from fxzero.config.deepspeed_keys import KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key
+from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
+from fxzero.config.policies import Adam, AdamW, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
+from fxzero.config.schedules import schedule_from_deepspeed
 
-__all__ = ["config_fields"]
+__all__ = ["DeepSpeedReading", "read_deepspeed"]
+
+_ALIASES = {"bfloat16": "bf16"}
+_DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+_COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": None, "float16": None, "bf16": None,
+                "bfloat16": None}
 
 
-def _placement_from_deepspeed(section: dict[str, Any], key: str) -> Placement:
+class DeepSpeedReading(NamedTuple):
+    fields: dict[str, Any]
+    """`Config` keyword arguments."""
+    ineffective: list[str]
+    """One message per key that changes nothing in fxzero, for the one-time warning."""
+    resolved: list[str]
+    """One line per "auto" value resolved here, to print once."""
+
+
+class _Reader:
+    def __init__(self) -> None:
+        self.ineffective: list[str] = []
+        self.resolved: list[str] = []
+
+    def walk(self, section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """The section with every key checked against the table, "auto" resolved; sub-sections
+        walked likewise (except the optimizer's and scheduler's params, read by their type)."""
+        out = {}
+        for raw, value in section.items():
+            name = _ALIASES.get(raw, raw) if not prefix else raw
+            path = prefix + name
+            key = KEYS.get(path)
+            if key is None:
+                raise ValueError(f"DeepSpeed config: unknown key {prefix + raw!r}{_nearest(prefix, raw)}")
+            if isinstance(value, str) and value == "auto":
+                value = self._auto(path, key)
+            if key.kind == SECTION and path != "optimizer.params":
+                if not isinstance(value, dict):
+                    raise ValueError(f"DeepSpeed config: {path!r} must be an object, got {value!r}")
+                value = self.walk(value, path + ".")
+            elif key.kind == NO_EFFECT:
+                self.ineffective.append(f"DeepSpeed config key {path!r} has no effect in fxzero: {key.why}")
+            elif key.kind == UNSUPPORTED and not key.honours(value):
+                raise ValueError(f"DeepSpeed config: {path}={json.dumps(value)} is not supported by fxzero: "
+                                 f"{key.why}; remove the key")
+            out[name] = value
+        return out
+
+    def _auto(self, path: str, key: Key) -> Any:
+        if not key.has_auto:
+            raise ValueError(
+                f'DeepSpeed config: {path} is "auto": a trainer (such as Hugging Face\'s) fills that in before '
+                "DeepSpeed reads it, and fxzero has no trainer to supply it; give a value")
+        if key.auto is None:
+            self.resolved.append(f'{path}: "auto" -> implied by the other batch sizes and the world size')
+        else:
+            self.resolved.append(f'{path}: "auto" -> {key.auto} (DeepSpeed\'s default)')
+        return key.auto
+
+
+def _nearest(prefix: str, raw: str) -> str:
+    siblings = [k[len(prefix):] for k in KEYS if k.startswith(prefix) and "." not in k[len(prefix):]]
+    near = difflib.get_close_matches(raw, siblings, n=1, cutoff=0.6)
+    where = f"in {prefix[:-1]!r}" if prefix else "at the top level"
+    return f"; did you mean {near[0]!r}?" if near else f" {where} (see docs/deepspeed_config.md for every key)"
+
+
+def _placement(section: dict[str, Any], key: str) -> Placement:
     device = str(section.get("device", "none")).lower()
     if device in ("none", ""):
         return Device()
@@ -32,25 +103,68 @@ def _placement_from_deepspeed(section: dict[str, Any], key: str) -> Placement:
     raise ValueError(f'zero_optimization.{key}.device must be "none", "cpu" or "nvme", got {device!r}')
 
 
-_COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": None, "float16": None, "bf16": None,
-                "bfloat16": None}
+def _offload(zero: dict[str, Any]) -> Offload:
+    param, opt = dict(zero.get("offload_param") or {}), dict(zero.get("offload_optimizer") or {})
+    pin = zero.get("cpu_offload_use_pin_memory")
+    for deprecated, section in (("cpu_offload_param", param), ("cpu_offload", opt)):
+        if zero.get(deprecated):
+            if section.get("device", "none") not in ("none", "cpu"):
+                raise ValueError(f"zero_optimization.{deprecated} is true and says cpu, but its section says "
+                                 f"{section['device']!r}: keep one of them")
+            section["device"] = "cpu"
+            if pin is not None:
+                section.setdefault("pin_memory", bool(pin))
+    return Offload(params=_placement(param, "offload_param"), optimizer=_placement(opt, "offload_optimizer"))
 
 
-def _mixed_precision_from_deepspeed(ds: dict[str, Any]) -> "MixedPrecision | None":
-    """"bf16" (or "bfloat16") / "fp16" sections -> MixedPrecision; both enabled is an error.
+def _optimizer(section: dict[str, Any]) -> AdamW:
+    kind = str(section.get("type", "AdamW"))
+    table = OPTIMIZER_PARAMS.get("adam" if kind.lower() in ("adam", "adamw") else kind.lower())
+    if table is None:
+        raise ValueError(f"DeepSpeed config: optimizer type {kind!r} is not supported; fxzero runs \"AdamW\" and "
+                         "\"Adam\" (with \"adam_w_mode\": false for L2 weight decay)")
+    params = section.get("params") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"DeepSpeed config: optimizer.params must be an object, got {params!r}")
+    for name, value in params.items():
+        key = table.get(name)
+        if key is None:
+            near = difflib.get_close_matches(name, list(table), n=1)
+            hint = (f"; did you mean {near[0]!r}?" if near else f"; {kind} takes {', '.join(table)}")
+            if name == "max_grad_norm":
+                hint = '; clip with the top-level "gradient_clipping" key'
+            raise ValueError(f"DeepSpeed config: optimizer.params has no {name!r} for {kind}{hint}")
+        if value == "auto":
+            raise ValueError(f'DeepSpeed config: optimizer.params.{name} is "auto": a trainer (such as Hugging '
+                             "Face's) fills that in before DeepSpeed reads it, and fxzero has no trainer to supply "
+                             "it; give a value")
+        if key.kind == NO_EFFECT:
+            continue  # (named by the caller's warning below)
+        if key.kind == UNSUPPORTED and not key.honours(value):
+            raise ValueError(f"DeepSpeed config: optimizer.params.{name}={json.dumps(value)} is not supported by "
+                             f"fxzero: {key.why}; remove it")
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam's default).
+    decoupled = kind.lower() == "adamw" or bool(params.get("adam_w_mode", True))
+    cls = AdamW if decoupled else Adam
+    hyper = {k: params[k] for k in ("lr", "eps", "weight_decay") if k in params}
+    if "betas" in params:
+        hyper["betas"] = tuple(params["betas"])
+    return cls(**{k: float(v) if k != "betas" else v for k, v in hyper.items()})
 
-    Gradients are reduced in fp32 unless "communication_data_type" names the low-precision type.
-    """
-    bf16 = dict(ds.get("bf16") or ds.get("bfloat16") or {})
-    fp16 = dict(ds.get("fp16") or {})
+
+def _mixed_precision(ds: dict[str, Any]) -> "MixedPrecision | None":
+    """"bf16" / "fp16" sections -> MixedPrecision; both enabled is an error. Gradients are
+    reduced in fp32 unless "communication_data_type" names the low-precision type."""
+    bf16, fp16 = dict(ds.get("bf16") or {}), dict(ds.get("fp16") or {})
     on_bf16, on_fp16 = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
     if on_bf16 and on_fp16:
-        raise ValueError('"bf16" and "fp16" are both enabled; enable one of them (bf16 needs no loss scaling)')
-    if not (on_bf16 or on_fp16):
-        return None
+        raise ValueError('DeepSpeed config: "bf16" and "fp16" are both enabled; enable one of them (bf16 needs '
+                         "no loss scaling)")
     comm = str(ds.get("communication_data_type", "fp32")).lower()
     if comm not in _COMM_DTYPES:
         raise ValueError(f'"communication_data_type" must be one of {sorted(_COMM_DTYPES)}, got {comm!r}')
+    if not (on_bf16 or on_fp16):
+        return None
     reduce_dtype = _COMM_DTYPES[comm]
     if on_bf16:
         return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
@@ -65,32 +179,46 @@ def _mixed_precision_from_deepspeed(ds: dict[str, Any]) -> "MixedPrecision | Non
     return MixedPrecision(param_dtype=torch.float16, reduce_dtype=reduce_dtype, loss_scale=scale)
 
 
-def config_fields(ds: Union[dict[str, Any], str, os.PathLike]) -> dict[str, Any]:
-    """The `Config` fields a DeepSpeed config dict or JSON file sets (the keys fxzero understands)."""
+def _int_or_none(ds: dict[str, Any], key: str) -> "int | None":
+    value = ds.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise ValueError(f"DeepSpeed config: {key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedReading:
+    """The `Config` fields a DeepSpeed config dict or JSON file sets, read strictly (module doc)."""
     if not isinstance(ds, dict):
         with open(ds) as f:
             ds = json.load(f)
-    stage = int(ds.get("zero_optimization", {}).get("stage", 3))
-    opt = ds.get("optimizer", {})
-    if opt and opt.get("type", "AdamW").lower() not in ("adam", "adamw"):
-        raise ValueError(
-            f"optimizer type {opt.get('type')!r} is not supported; fxzero runs AdamW "
-            "(set \"optimizer\": {\"type\": \"AdamW\", ...})"
-        )
-    params = opt.get("params", {})
-    adamw = AdamW(
-        lr=float(params.get("lr", 1e-3)),
-        betas=tuple(params.get("betas", (0.9, 0.999))),
-        eps=float(params.get("eps", 1e-8)),
-        weight_decay=float(params.get("weight_decay", 1e-2)),
-    )
+        if not isinstance(ds, dict):
+            raise ValueError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
+    reader = _Reader()
+    ds = reader.walk(ds)
     zero = ds.get("zero_optimization", {})
-    threshold = int(zero.get("stage3_param_persistence_threshold", 0)) if stage == 3 else 0
+    stage = int(zero.get("stage", 3))
+    if stage not in (1, 2, 3):
+        raise ValueError(f"DeepSpeed config: zero_optimization.stage={stage}: fxzero runs ZeRO stages 1, 2 and 3 "
+                         "(stage 1 trains exactly as plain data parallelism, with the optimizer states sharded)")
+    for name, key in OPTIMIZER_PARAMS["adam"].items():
+        if key.kind == NO_EFFECT and name in ((ds.get("optimizer") or {}).get("params") or {}):
+            reader.ineffective.append(f"DeepSpeed config key 'optimizer.params.{name}' has no effect in fxzero: "
+                                      f"{key.why}")
+    threshold = int(zero.get("stage3_param_persistence_threshold", _DEFAULT_PERSISTENCE)) if stage == 3 else 0
     # A reuse distance of 0 releases every parameter after use: gather each unit twice.
     prefetch = Prefetch(keep_for_backward=None if int(zero.get("stage3_max_reuse_distance", 1)) > 0 else False)
-    offload = Offload(
-        params=_placement_from_deepspeed(zero.get("offload_param", {}), "offload_param"),
-        optimizer=_placement_from_deepspeed(zero.get("offload_optimizer", {}), "offload_optimizer"),
+    clip = ds.get("gradient_clipping")
+    fields = dict(
+        stage=stage, optimizer=_optimizer(ds.get("optimizer") or {}), persist_threshold=threshold,
+        offload=_offload(zero), prefetch=prefetch, mixed_precision=_mixed_precision(ds),
+        train_batch_size=_int_or_none(ds, "train_batch_size"),
+        train_micro_batch_size_per_gpu=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=_int_or_none(ds, "gradient_accumulation_steps"),
+        gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
+        steps_per_print=_int_or_none(ds, "steps_per_print"),
+        lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
+        dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)),
     )
-    return dict(stage=stage, optimizer=adamw, persist_threshold=threshold, offload=offload, prefetch=prefetch,
-                mixed_precision=_mixed_precision_from_deepspeed(ds))
+    return DeepSpeedReading(fields, reader.ineffective, reader.resolved)

@@ -1,31 +1,20 @@
 """Settings that have no effect in the configuration they appear in: each is warned about once.
 
 A setting a user chose that changes nothing is a silent surprise: it is named in a
-`warnings.warn` with the reason and the way out, once per process (`warn_ineffective`).
+`warnings.warn` with the reason and the way out, once per process (`warn_ineffective`, in
+`fxzero/config/notices.py`).
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from fxzero.config.config import Config
+from fxzero.config.notices import IneffectiveSetting, SlowSetting, warn_ineffective, warn_once
 from fxzero.config.placement import Offload
 
 __all__ = ["IneffectiveSetting", "SlowSetting", "ineffective_settings", "slow_settings", "warn_ineffective",
            "warn_once"]
-
-_WARNED: set[str] = set()
-
-
-class IneffectiveSetting(UserWarning):
-    """A setting that has no effect in the configuration it appears in."""
-
-
-class SlowSetting(UserWarning):
-    """A setting that works here but is much slower than an alternative that would do."""
-
 
 def slow_settings(config: Config, *, cuda: bool) -> list[str]:
     """One message per setting of `config` that is far slower here than it needs to be."""
@@ -75,16 +64,3 @@ def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initial
         out.append(f"Config.seed={config.seed} has no effect: it seeds the modules' own reset_parameters() for a "
                    "model built on the meta device without a state_dict, and this model's values are given")
     return out
-
-
-def warn_once(messages: list[str], category: type[Warning], stacklevel: int = 3) -> None:
-    """Warn once per process for each message."""
-    for message in messages:
-        if message not in _WARNED:
-            _WARNED.add(message)
-            warnings.warn(message, category, stacklevel=stacklevel)
-
-
-def warn_ineffective(messages: list[str], stacklevel: int = 3) -> None:
-    """Warn once per process for each message, as an `IneffectiveSetting`."""
-    warn_once(messages, IneffectiveSetting, stacklevel=stacklevel + 1)

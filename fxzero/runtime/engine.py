@@ -15,6 +15,7 @@ forward runs inside the autograd bridge ([Note: how the programs meet autograd] 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -29,7 +30,7 @@ from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
-from fxzero.runtime.stepping import StepControl
+from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import AdamWState, adamw_step, group_ranges
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
@@ -87,6 +88,11 @@ class Engine:
         self._group_of = group_of
         self._ranges: dict[tuple[str, frozenset], list] = {}  # (unit, gradless) -> its shard's group ranges
         self.control = StepControl(config, comm, state, batch)  # accumulation, scaling, clipping, schedule
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.global_rank = self.rank
+        self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        """Where the model's inputs go (`inputs.to(engine.device)`)."""
+        self._log = StepLog(config.steps_per_print, self.rank)
 
     # -- programs --------------------------------------------------------------------------
 
@@ -210,6 +216,7 @@ class Engine:
             )
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
         self.control.loss_to_backward(loss).backward()
+        self._log.loss(loss)
 
     @property
     def loss_scale(self) -> Optional[float]:
@@ -279,6 +286,58 @@ class Engine:
             runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
         grads.clear()
         self.control.stepped(self.optimizer, skipped=not update)
+        self._log.stepped(self)
+
+    # -- what a DeepSpeed training script reads ----------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The model the engine was built from (on the meta device when built there)."""
+        return self._model
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The LR schedule the engine steps at each optimizer step (None: none)."""
+        return self.control.lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self.control.lr_scheduler = scheduler
+
+    def _batch(self, name: str, value: Optional[int]) -> int:
+        if value is None:
+            raise ValueError(f"[rank {self.rank}] no batch size is configured: set Config.train_batch_size or "
+                             f"Config.train_micro_batch_size_per_gpu (DeepSpeed's keys) to read {name}()")
+        return value
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._batch("train_micro_batch_size_per_gpu", self.control.batch.micro_batch_size)
+
+    def train_batch_size(self) -> int:
+        return self._batch("train_batch_size", self.control.batch.train_batch_size)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.control.accumulation
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group, as the next update will use it."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The norm of the whole gradient (all ranks' shards, unscaled, before clipping) at the last
+        optimizer step; None before the first or when gradients live on a tier."""
+        return self.control.grad_norm
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def train(self, mode: bool = True) -> "Engine":
+        """Set the model's training mode (each mode runs its own compiled program)."""
+        self._model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
 
     def zero_grad(self) -> None:
         self.state.settle_grads()

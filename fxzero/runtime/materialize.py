@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
 
-__all__ = ["materialize"]
+__all__ = ["broadcast_initial_values", "materialize"]
 
 
 def _alias_to_unique(model: nn.Module) -> dict[str, str]:
@@ -182,3 +182,40 @@ def materialize(
             "state_dict passed to fxzero.compile must hold every parameter of the model"
         )
     return {lay.name: sink.storage[lay.name] for lay in layouts if lay.name not in spill}, buffers
+
+
+_BROADCAST_CHUNK = 64 << 20  # bytes per broadcast: few calls, and little more memory than one layer
+
+
+@torch.no_grad()
+def broadcast_initial_values(model: nn.Module, group=None) -> int:
+    """Make every rank's parameters and buffers rank 0's, in place (as DeepSpeed and FSDP's
+    sync_module_states do): a model built eagerly draws its own random init on each rank, and
+    sharding a mix of inits would train a model no rank ever had. Returns the bytes broadcast.
+
+    Tensors of one dtype are broadcast in chunks of about 64 MiB, each flattened into one buffer.
+    """
+    import torch.distributed as dist
+
+    tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if not t.is_meta:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    sent = 0
+    for same in by_dtype.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for i, t in enumerate(same):
+            chunk.append(t)
+            size += t.numel() * t.element_size()
+            if i + 1 == len(same) or size >= _BROADCAST_CHUNK:
+                flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                dist.broadcast(flat, src=0, group=group)
+                offset = 0
+                for c in chunk:
+                    c.data.copy_(flat[offset : offset + c.numel()].view_as(c))
+                    offset += c.numel()
+                sent += size
+                chunk, size = [], 0
+    return sent

@@ -18,6 +18,8 @@ depends on are zero): one scalar all-reduce, after every gradient has arrived. A
 from __future__ import annotations
 
 import math
+import resource
+import time
 from typing import Any, Optional
 
 import torch
@@ -29,7 +31,7 @@ from fxzero.runtime.executor import GradientFlags
 from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
 from fxzero.runtime.state import RankState
 
-__all__ = ["StepControl"]
+__all__ = ["StepControl", "StepLog"]
 
 
 class StepControl:
@@ -104,24 +106,29 @@ class StepControl:
                         f"{self.scaler.policy.window} steps in a row overflowed", layouts)
                 return False
             self.multiplier = 1.0 / scale
+        self.grad_norm = self._global_norm()
         if self.clip is not None:
-            self.multiplier *= self._clip_coefficient()
-        return True
-
-    def _clip_coefficient(self) -> float:
-        """See [Note: clipping from shards]; also records `grad_norm` (of the unscaled gradient)."""
-        self.state.settle_grads()
-        local = 0.0
-        for unit, grad in self.state.grads.items():
-            if not isinstance(grad, torch.Tensor) or grad.numel() == 0:
+            if self.grad_norm is None:
                 raise RuntimeError(
                     f"[rank {self.comm.rank}] gradient_clipping needs every gradient shard in memory at the step, "
-                    f"and unit {unit!r}'s is on a tier: keep Offload(grads=Device()) to clip")
+                    "and some are on a tier: keep Offload(grads=Device()) to clip")
+            coefficient = self.clip / (self.grad_norm + 1e-6)
+            self.multiplier *= min(coefficient, 1.0)
+        return True
+
+    def _global_norm(self) -> Optional[float]:
+        """The norm of the whole (unscaled) gradient, [Note: clipping from shards]; None when some
+        rank holds a gradient shard on a tier (decided alike on every rank, one all-reduce)."""
+        self.state.settle_grads()
+        local, on_tier = 0.0, 0.0
+        for grad in self.state.grads.values():
+            if not isinstance(grad, torch.Tensor) or grad.numel() == 0:
+                on_tier = 1.0
+                break
             local += float(grad.float().square().sum())
-        total = self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False).wait().item()
-        self.grad_norm = math.sqrt(total) * self.multiplier
-        coefficient = self.clip / (self.grad_norm + 1e-6)
-        return coefficient if coefficient < 1.0 else 1.0
+        total, tiered = self.comm.all_reduce(torch.tensor([local, on_tier], dtype=torch.float64),
+                                             count=False).wait().tolist()
+        return None if tiered else math.sqrt(total) * self.multiplier
 
     def stepped(self, optimizer, skipped: bool) -> None:
         """After a boundary: count it, step the optimizer for the schedulers and the schedule."""
@@ -132,3 +139,33 @@ class StepControl:
         optimizer.mark_stepped()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+
+class StepLog:
+    """Every `every` optimizer steps, each rank prints DeepSpeed's kind of log line: the step,
+    skipped steps, the last micro-step's loss, each group's lr, the loss scale, the mean step time
+    since the last line and the peak memory (resident set; CUDA: allocated)."""
+
+    def __init__(self, every: Optional[int], rank: int) -> None:
+        self.every, self.rank = every, rank
+        self._loss: Optional[torch.Tensor] = None
+        self._since = time.perf_counter()
+
+    def loss(self, loss: torch.Tensor) -> None:
+        if self.every:
+            self._loss = loss.detach()
+
+    def stepped(self, engine) -> None:
+        if not self.every or engine.global_steps % self.every:
+            return
+        now = time.perf_counter()
+        step_time, self._since = (now - self._since) / self.every, now
+        if torch.cuda.is_available():
+            memory = f"cuda_peak={torch.cuda.max_memory_allocated() / 2**20:.0f}MB"
+        else:
+            memory = f"peak_rss={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}MB"
+        loss = f"{float(self._loss):.4f}" if self._loss is not None else "-"
+        scale = f" loss_scale={engine.loss_scale:g}" if engine.loss_scale is not None else ""
+        lrs = ",".join(f"{lr:.3e}" for lr in engine.get_lr())
+        print(f"[rank {self.rank}] step={engine.global_steps} skipped={engine.skipped_steps} loss={loss} lr=[{lrs}]"
+              f"{scale} step_time={step_time:.3f}s {memory}", flush=True)

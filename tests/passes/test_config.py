@@ -14,7 +14,7 @@ import pytest
 
 import fxzero
 from fxzero.config import AdamW, Config, Cpu, Device, Nvme, Offload, Prefetch
-from fxzero.config import effects
+from fxzero.config import notices
 from fxzero.config.effects import IneffectiveSetting, ineffective_settings, warn_ineffective
 
 
@@ -32,7 +32,8 @@ def test_stage(stage):
 
 def test_defaults_of_an_empty_config():
     cfg = Config.from_deepspeed({})
-    assert cfg.stage == 3 and cfg.optimizer == AdamW() and cfg.persist_threshold == 0
+    # DeepSpeed's defaults where a key is missing: stage3_param_persistence_threshold is 1e5
+    assert cfg.stage == 3 and cfg.optimizer == AdamW() and cfg.persist_threshold == 100_000
     assert cfg.offload == Offload() and cfg.prefetch == Prefetch()
 
 
@@ -55,7 +56,7 @@ def test_optimizer_params_are_read(kind):
 
 
 def test_unsupported_optimizer_type():
-    with pytest.raises(ValueError, match=r"optimizer type 'SGD' is not supported; fxzero runs AdamW"):
+    with pytest.raises(ValueError, match=r"optimizer type 'SGD' is not supported; fxzero runs \"AdamW\" and \"Adam\""):
         Config.from_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
 
 
@@ -192,7 +193,7 @@ def test_several_ineffective_settings_give_one_message_each():
 
 
 def test_warn_ineffective_warns_once_per_message(monkeypatch):
-    monkeypatch.setattr(effects, "_WARNED", set())
+    monkeypatch.setattr(notices, "_WARNED", set())
     first, second = "test_config: first message (fresh)", "test_config: second message (fresh)"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -209,7 +210,7 @@ def test_compile_warns_about_an_ineffective_setting(monkeypatch):
     import torch
     import torch.nn as nn
 
-    monkeypatch.setattr(effects, "_WARNED", set())
+    monkeypatch.setattr(notices, "_WARNED", set())
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(IneffectiveSetting, match="Config.persist_threshold=9 has no effect at stage 1"):

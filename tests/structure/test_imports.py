@@ -29,7 +29,7 @@ LAYER = {
     "fxzero.schedule": 3,
     "fxzero.cost": 4, "fxzero.estimate": 4, "fxzero.liveness": 4,
     "fxzero.compiler": 5, "fxzero.runtime": 5,
-    "fxzero.api": 6, "fxzero.artifacts": 6,
+    "fxzero.api": 6, "fxzero.artifacts": 6, "fxzero.deepspeed_api": 6,
     "fxzero.viz": 7,
     "fxzero.cli": 8,
     "fxzero": 0,

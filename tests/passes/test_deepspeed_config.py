@@ -1,0 +1,184 @@
+"""A DeepSpeed config read strictly: each mistake is an error (or a named warning) before training.
+
+The expected fields are written out here, not derived from the key table.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from fxzero.config import Adam, AdamW, Config, Cpu, notices
+from fxzero.config.batch import resolve_batch
+from fxzero.config.deepspeed import read_deepspeed
+from fxzero.config.notices import IneffectiveSetting
+from fxzero.config.schedules import WarmupLR
+
+pytestmark = pytest.mark.timeout(60)
+
+CHAPTER = {  # the textbook chapter's ds_config.json, train_batch_size made consistent with 2 ranks
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 16,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "weight_decay": 0.01}},
+    "fp16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices(monkeypatch):
+    monkeypatch.setattr(notices, "_WARNED", set())
+    monkeypatch.setattr(notices, "_PRINTED", set())
+
+
+def test_the_chapter_config_is_read_key_by_key():
+    reading = read_deepspeed(CHAPTER)
+    f = reading.fields
+    assert (f["train_batch_size"], f["train_micro_batch_size_per_gpu"], f["gradient_accumulation_steps"]) == (32, 16, 1)
+    assert f["optimizer"] == AdamW(lr=2e-5, weight_decay=0.01)
+    assert f["mixed_precision"].param_dtype is torch.float16 and f["mixed_precision"].loss_scale is not None
+    assert f["stage"] == 3 and f["persist_threshold"] == 100_000
+    assert f["offload"].optimizer == Cpu(pin_memory=True)
+    # what changes nothing in fxzero is named, with its reason
+    named = {m.split("'")[1] for m in reading.ineffective}
+    assert named == {"zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+                     "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"}
+    assert any("always overlaps" in m for m in reading.ineffective)
+    with pytest.warns(IneffectiveSetting, match="overlap_comm"):
+        Config.from_deepspeed(CHAPTER)
+
+
+def test_a_json_file_reads_as_its_dict(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(CHAPTER))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IneffectiveSetting)
+        assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(CHAPTER)
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"train_batch_sizes": 8}, r"unknown key 'train_batch_sizes'; did you mean 'train_batch_size'\?"),
+    ({"zero_optimization": {"stage3_param_persistance_threshold": 10}},
+     r"unknown key 'zero_optimization.stage3_param_persistance_threshold'; did you mean "
+     r"'stage3_param_persistence_threshold'\?"),
+    ({"zero_optimization": {"offload_optimizer": {"devce": "cpu"}}},
+     r"'zero_optimization.offload_optimizer.devce'; did you mean 'device'\?"),
+    ({"fp16": {"enabeld": True}}, r"'fp16.enabeld'; did you mean 'enabled'\?"),
+    ({"no_such_thing": 1}, r"unknown key 'no_such_thing' at the top level"),
+    ({"optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}}, r"optimizer.params has no 'lrr' for AdamW; did you "
+                                                                 r"mean 'lr'\?"),
+    ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, r"top-level \"gradient_clipping\""),
+])
+def test_unknown_and_misspelled_keys_are_errors_naming_the_nearest(ds, message):
+    with pytest.raises(ValueError, match=message):
+        Config.from_deepspeed(ds)
+
+
+def test_unsupported_optimizer_type():
+    with pytest.raises(ValueError, match=r"optimizer type 'Lamb' is not supported"):
+        Config.from_deepspeed({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
+
+
+def test_adam_is_adamw_unless_adam_w_mode_is_false():
+    # DeepSpeed's "Adam" runs FusedAdam with adam_w_mode=True (decoupled decay) by default
+    assert type(Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {}}}).optimizer) is AdamW
+    opt = Config.from_deepspeed({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False,
+                                                                          "weight_decay": 0.1}}}).optimizer
+    assert type(opt) is Adam and opt.weight_decay == 0.1
+    # "AdamW" is decoupled whatever adam_w_mode says
+    assert type(Config.from_deepspeed({"optimizer": {"type": "AdamW",
+                                                     "params": {"adam_w_mode": False}}}).optimizer) is AdamW
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"\"bf16\" and \"fp16\" are both enabled"),
+    ({"bfloat16": {"enabled": True}, "fp16": {"enabled": True}}, r"both enabled"),
+    ({"tensorboard": {"enabled": True, "output_path": "x"}}, r"tensorboard=.* is not supported by fxzero"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     r"offload_optimizer.ratio=0.3 is not supported by fxzero: fxzero offloads all"),
+    ({"zero_optimization": {"zero_quantized_weights": True}}, r"zero_quantized_weights=true is not supported"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad=true is not supported"),
+    ({"zero_optimization": {"stage": 0}}, r"stage=0: fxzero runs ZeRO stages 1, 2 and 3"),
+    ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op=\"sum\" is not supported"),
+])
+def test_mistakes_and_unsupported_features_are_errors(ds, message):
+    with pytest.raises(ValueError, match=message):
+        Config.from_deepspeed(ds)
+
+
+def test_unsupported_features_switched_off_are_accepted_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.from_deepspeed({"tensorboard": {"enabled": False}, "zero_optimization": {"zero_quantized_weights": False},
+                               "optimizer": {"type": "Adam", "params": {"amsgrad": False, "bias_correction": True}},
+                               "gradient_allreduce_op": "mean", "bf16": {"enabled": False}})
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r"optimizer.params.lr is \"auto\""),
+    ({"gradient_clipping": "auto"}, r"gradient_clipping is \"auto\""),
+    ({"fp16": {"enabled": "auto"}}, r"fp16.enabled is \"auto\""),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, r"warmup_max_lr is \"auto\""),
+])
+def test_auto_that_cannot_be_resolved_is_an_error(ds, message):
+    with pytest.raises(ValueError, match=message + r".*no trainer"):
+        Config.from_deepspeed(ds)
+
+
+def test_auto_that_can_be_resolved_is_printed_once(capsys):
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "zero_optimization": {"stage3_param_persistence_threshold": "auto", "reduce_bucket_size": "auto"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IneffectiveSetting)
+        cfg = Config.from_deepspeed(ds)
+        Config.from_deepspeed(ds)
+    assert cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu == 4
+    assert cfg.persist_threshold == 100_000
+    out = capsys.readouterr().out
+    assert out.count("stage3_param_persistence_threshold: \"auto\" -> 100000") == 1
+    assert out.count("train_batch_size: \"auto\" -> implied") == 1
+
+
+def test_the_other_keys_are_read():
+    cfg = Config.from_deepspeed({"gradient_clipping": 0.5, "steps_per_print": 7, "dataloader_drop_last": True,
+                                 "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+                                 "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert cfg.gradient_clipping == 0.5 and cfg.steps_per_print == 7 and cfg.dataloader_drop_last
+    assert cfg.lr_schedule == WarmupLR(warmup_num_steps=5)
+    assert cfg.offload.optimizer == Cpu() and cfg.stage == 2 and cfg.persist_threshold == 0
+    assert Config.from_deepspeed({"gradient_clipping": 0}).gradient_clipping is None  # DeepSpeed: 0 is off
+
+
+# -- the batch triple -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given, world, want", [
+    ((32, 16, 1), 2, (32, 16, 1)),
+    ((32, 4, None), 2, (32, 4, 4)),
+    ((32, None, 2), 2, (32, 8, 2)),
+    ((None, 4, 3), 2, (24, 4, 3)),
+    ((32, None, None), 4, (32, 8, 1)),
+    ((None, 4, None), 3, (12, 4, 1)),
+    ((None, None, None), 2, (None, None, 1)),
+])
+def test_any_two_imply_the_third(given, world, want):
+    assert tuple(resolve_batch(*given, world)) == want
+
+
+@pytest.mark.parametrize("given, world", [((128, 16, 1), 2), ((30, 4, None), 2), ((32, None, 3), 2)])
+def test_an_inconsistent_triple_names_all_three_and_the_world(given, world):
+    with pytest.raises(ValueError, match=rf"train_batch_size={given[0]}, train_micro_batch_size_per_gpu={given[1]}, "
+                                         rf"gradient_accumulation_steps={given[2]}, world size {world}"):
+        resolve_batch(*given, world)
