@@ -83,6 +83,10 @@ def compile(
     comm = make_comm(config.link_emulation, config.transport)
     batch = resolve_batch(config.train_batch_size, config.train_micro_batch_size_per_gpu,
                           config.gradient_accumulation_steps, comm.world_size)
+    if batch.gradient_accumulation_steps > 1 and config.offload.step_in_backward:
+        raise ValueError(f"[rank {comm.rank}] the batch sizes imply gradient_accumulation_steps="
+                         f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
+                         "backward: drop step_in_backward, or make the batch sizes imply one micro-step")
     seeded = state_dict is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))

@@ -134,6 +134,14 @@ class Config:
         if self.steps_per_print is not None and not (isinstance(self.steps_per_print, int) and self.steps_per_print >= 1):
             raise ValueError(f"Config.steps_per_print must be an int >= 1 (or None: no log line), got "
                              f"{self.steps_per_print!r}")
+        if (self.gradient_accumulation_steps or 1) > 1 and self.offload.step_in_backward:
+            raise ValueError(
+                "Config(gradient_accumulation_steps > 1) updates once per accumulation, after the last micro-step, "
+                "and Offload(step_in_backward=True) updates in every backward: drop one of them")
+        if self.gradient_clipping is not None and self.offload.step_in_backward:
+            raise ValueError(
+                "Config(gradient_clipping=...) scales every gradient by the global norm, known only after the whole "
+                "backward, and Offload(step_in_backward=True) updates each unit during it: drop one of them")
         if self.gradient_clipping is not None and not self.gradient_clipping > 0:
             raise ValueError(f"Config.gradient_clipping must be > 0 (None: no clipping), got {self.gradient_clipping!r}")
         if self.persist_threshold < 0:

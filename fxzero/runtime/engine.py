@@ -188,6 +188,8 @@ class Engine:
         # so each is freed right after its last use in the backward.
         saved.clear()
         values.clear()
+        # A backward after the first of an accumulation adds into the gradient shards held.
+        runners.backward.accumulate_grads = bool(self.state.grads)
         results = runners.backward.run(env, self._record)
         grads = self.state.grads
         for (_, unit), grad in zip(program.outputs, results):
@@ -200,11 +202,8 @@ class Engine:
         held = self.state.grads[unit]
         held = held.wait() if isinstance(held, Pending) else held
         grad = grad.wait() if isinstance(grad, Pending) else grad
-        if held.numel() == 0 or grad.numel() == 0:
-            raise RuntimeError(
-                f"[rank {self.rank}] unit {unit!r}: gradient accumulation adds into the gradient shard in memory, "
-                "and this one is on a tier: keep Offload(grads=Device()) to accumulate, or use "
-                "gradient_accumulation_steps=1")
+        if grad.numel() == 0:  # a token: the shard was added to its tier's ([Note: accumulating on a tier])
+            return
         self.state.grads[unit] = held.add_(grad)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -8,6 +8,14 @@ loudly instead of reading stale data); `optim_step` calls the engine's optimizer
 What each fxzero instruction does is read from its fields (buffer, tier, state, keep_full,
 aligned, dtype), never from the graph. A value is dropped from the environment right after its
 last reader, so activations and gathered views die as early as the schedule says.
+
+[Note: accumulating on a tier]
+With gradients on a tier (offloaded with the optimizer states) and gradient accumulation, the
+backward's `offload` of a gradient shard adds what the tier holds before writing: the sum of
+the micro-steps lives on the tier, as DeepSpeed's offloaded gradients accumulate in host memory.
+The first backward of an accumulation overwrites (the step cleared nothing on the tier: the
+engine's gradients dict is empty, so `accumulate_grads` is False). The read is synchronous, so
+a micro-step after the first pays one read of each shard in its backward.
 """
 
 from __future__ import annotations
@@ -64,11 +72,16 @@ class GatheredMemory:
 
 @dataclasses.dataclass
 class GradientFlags:
-    """What the backward's `check` instructions found since the last step (float16)."""
+    """What the backward found of the gradient shards since the last step: what its `check`
+    instructions saw (float16), and the sum of squares of each shard it wrote to a tier (for
+    the global norm, which the step can no longer read from memory)."""
 
     nonfinite: bool = False
     first: Optional[str] = None
     """The first unit whose gradient was not finite."""
+    sum_of_squares: dict[str, float] = dataclasses.field(default_factory=dict)
+    """unit -> sum of squares of the gradient shard last written to its tier (after an
+    accumulation's additions, so the last micro-step's is the accumulated gradient's)."""
 
     def record(self, unit: str, finite: bool) -> None:
         if not finite and not self.nonfinite:
@@ -76,6 +89,7 @@ class GradientFlags:
 
     def reset(self) -> None:
         self.nonfinite, self.first = False, None
+        self.sum_of_squares.clear()
 
 
 class _Written(NamedTuple):
@@ -132,6 +146,9 @@ class ProgramRunner:
             (ins, self._compile(ins, nodes[ins.name])) for ins in program.instructions
         ]
         self.drop_after = last_reads(program)
+        self.accumulate_grads = False
+        """Whether gradient shards written to a tier add to what the tier holds (the engine sets
+        it for each backward after the first of an accumulation)."""
 
     def _compile(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         """A closure computing the instruction from the environment."""
@@ -238,7 +255,17 @@ class ProgramRunner:
     def _offload(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         store = self._need_store(ins)
         (src,) = ins.reads
-        return lambda env: _Written(store.write(ins.state, ins.unit, env[src]))
+        if ins.state != "grad":
+            return lambda env: _Written(store.write(ins.state, ins.unit, env[src]))
+
+        def offload_grad(env: dict) -> _Written:
+            grad = env[src]
+            if self.accumulate_grads:  # [Note: accumulating on a tier]
+                grad = grad.add_(store.fetch("grad", ins.unit, grad.numel(), grad.dtype).wait())
+            self.flags.sum_of_squares[ins.unit] = float(grad.float().square().sum())
+            return _Written(store.write("grad", ins.unit, grad))
+
+        return offload_grad
 
     def _optim_step(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         if self.update is None:

@@ -95,7 +95,6 @@ class StepControl:
         else:
             # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
             bad, self._first_bad = self.flags.nonfinite, self.flags.first
-            self.flags.reset()
             overflow = self.comm.all_reduce(torch.tensor([1.0 if bad else 0.0]), count=False).wait().item() > 0
             scale = self.scaler.scale
             self.scaler.update(overflow)
@@ -108,30 +107,26 @@ class StepControl:
             self.multiplier = 1.0 / scale
         self.grad_norm = self._global_norm()
         if self.clip is not None:
-            if self.grad_norm is None:
-                raise RuntimeError(
-                    f"[rank {self.comm.rank}] gradient_clipping needs every gradient shard in memory at the step, "
-                    "and some are on a tier: keep Offload(grads=Device()) to clip")
             coefficient = self.clip / (self.grad_norm + 1e-6)
             self.multiplier *= min(coefficient, 1.0)
         return True
 
-    def _global_norm(self) -> Optional[float]:
-        """The norm of the whole (unscaled) gradient, [Note: clipping from shards]; None when some
-        rank holds a gradient shard on a tier (decided alike on every rank, one all-reduce)."""
+    def _global_norm(self) -> float:
+        """The norm of the whole (unscaled) gradient, [Note: clipping from shards]: shards in
+        memory are read here, shards on a tier were measured as the backward wrote them."""
         self.state.settle_grads()
-        local, on_tier = 0.0, 0.0
-        for grad in self.state.grads.values():
-            if not isinstance(grad, torch.Tensor) or grad.numel() == 0:
-                on_tier = 1.0
-                break
-            local += float(grad.float().square().sum())
-        total, tiered = self.comm.all_reduce(torch.tensor([local, on_tier], dtype=torch.float64),
-                                             count=False).wait().tolist()
-        return None if tiered else math.sqrt(total) * self.multiplier
+        local = 0.0
+        for unit, grad in self.state.grads.items():
+            if isinstance(grad, torch.Tensor) and grad.numel() > 0:
+                local += float(grad.float().square().sum())
+            else:  # (every gradient the step reads from a tier was written, and measured, by the backward)
+                local += self.flags.sum_of_squares[unit]
+        total = self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False).wait().item()
+        return math.sqrt(total) * self.multiplier
 
     def stepped(self, optimizer, skipped: bool) -> None:
         """After a boundary: count it, step the optimizer for the schedulers and the schedule."""
+        self.flags.reset()
         self.global_steps += 1
         if skipped:
             self.skipped_steps += 1

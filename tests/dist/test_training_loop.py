@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
 from typing import Any, Callable
 
 import pytest
@@ -108,12 +109,18 @@ def _eager(kind: str) -> dict[str, Any]:
 def _engine(kind: str, stage: int = 3) -> Any:
     state, _ = _problem()
     cfg = dict(stage=stage, optimizer=fxzero.AdamW(**ADAMW), cost_model=None)
-    if kind in ("accumulate", "accumulate2"):
+    if kind.startswith("accumulate"):
         cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUMULATION)
+        if kind == "accumulate_cpu":  # gradients go to host memory with the optimizer states
+            cfg.update(offload=fxzero.Offload(optimizer=fxzero.Cpu()))
+        elif kind == "accumulate_nvme":
+            cfg.update(offload=fxzero.Offload(optimizer=fxzero.Nvme(path=tempfile.gettempdir())))
     elif kind == "whole":
         cfg.update(train_batch_size=GLOBAL, train_micro_batch_size_per_gpu=GLOBAL // WORLD)
-    elif kind == "clip":
+    elif kind.startswith("clip"):
         cfg.update(gradient_clipping=CLIP)
+        if kind == "clip_cpu":  # the norm of gradients that live on a tier
+            cfg.update(offload=fxzero.Offload(optimizer=fxzero.Cpu()))
     elif kind == "adam":
         cfg.update(optimizer=fxzero.Adam(**ADAMW))
     elif kind == "warmup":
@@ -146,7 +153,11 @@ def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
         lrs.append(engine.get_lr())
         for m, (xm, ym) in enumerate(zip(xs.chunk(micro_steps), ys.chunk(micro_steps))):
             assert engine.is_gradient_accumulation_boundary() == (m == micro_steps - 1)
-            loss = lm_loss(engine(xm), ym)
+            if kind == "siamese":  # two forwards into one loss: their gradients add up
+                half = len(xm) // 2
+                loss = (lm_loss(engine(xm[:half]), ym[:half]) + lm_loss(engine(xm[half:]), ym[half:])) / 2
+            else:
+                loss = lm_loss(engine(xm), ym)
             engine.backward(loss)
             engine.step()
             total += loss.detach()
@@ -175,8 +186,9 @@ def _broadcast(rank: int) -> dict[str, Any]:
 
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     out = {}
-    for kind, stage in [("accumulate", 3), ("accumulate2", 2), ("whole", 3), ("clip", 3), ("adam", 3),
-                        ("groups", 3), ("warmup", 3), ("torch_schedule", 3)]:
+    for kind, stage in [("accumulate", 3), ("accumulate2", 2), ("accumulate1", 1), ("accumulate_cpu", 3),
+                        ("accumulate_nvme", 3), ("whole", 3), ("clip", 3), ("clip_cpu", 3), ("adam", 3),
+                        ("groups", 3), ("warmup", 3), ("torch_schedule", 3), ("siamese", 3)]:
         out[kind] = _train(rank, kind, stage)
         dist.barrier()
     out["broadcast"] = _broadcast(rank)
@@ -203,7 +215,8 @@ def _same_state(got: dict, want: dict, what: str) -> None:
 # -- tests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["accumulate", "accumulate2", "whole"])
+@pytest.mark.parametrize("kind", ["accumulate", "accumulate2", "accumulate1", "accumulate_cpu", "accumulate_nvme",
+                                  "whole"])
 def test_accumulation_equals_the_whole_batch(runs, kind):
     """k=4 micro-batches of b (stages 3 and 2) == one micro-batch of 4b == eager on the global batch.
 
@@ -235,14 +248,24 @@ def test_accumulation_reduce_scatters_every_micro_step(runs):
     assert accumulate == [ACCUMULATION * b for b in whole]
 
 
-def test_clipping_equals_clip_grad_norm(runs):
+@pytest.mark.parametrize("kind", ["clip", "clip_cpu"])
+def test_clipping_equals_clip_grad_norm(runs, kind):
     ref = _eager("clip")
     assert min(ref["norms"]) > CLIP  # the clip binds at every step
-    got = runs[0]["clip"]
-    _close(got["norms"], ref["norms"], "global grad norm (before clipping)")
-    _close(got["losses"], ref["losses"], "clip: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], "clip")
-    assert runs[1]["clip"]["norms"] == got["norms"]  # every rank reports the same norm
+    got = runs[0][kind]
+    _close(got["norms"], ref["norms"], f"{kind}: global grad norm (before clipping)")
+    _close(got["losses"], ref["losses"], f"{kind}: per-step losses")
+    _same_state(got["state_dict"], ref["state_dict"], kind)
+    assert runs[1][kind]["norms"] == got["norms"]  # every rank reports the same norm
+
+
+def test_two_forwards_into_one_loss_accumulate(runs):
+    """A siamese loss, the mean of two half-batch losses: the same gradient as one forward of the
+    batch (the halves are equal), so the same training as the whole batch."""
+    ref = _eager("adamw")
+    got = runs[0]["siamese"]
+    _close(got["losses"], ref["losses"], "siamese: per-step losses")
+    _same_state(got["state_dict"], ref["state_dict"], "siamese")
 
 
 def test_adam_equals_torch_adam(runs):
