@@ -57,7 +57,7 @@ class _Reader:
             key = KEYS.get(path)
             if key is None:
                 raise ValueError(f"DeepSpeed config: unknown key {prefix + raw!r}{_nearest(prefix, raw)}")
-            if isinstance(value, str) and value == "auto":
+            if isinstance(value, str) and value == "auto" and not key.honours(value):
                 value = self._auto(path, key)
             if key.kind == SECTION and path != "optimizer.params":
                 if not isinstance(value, dict):
@@ -217,7 +217,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         train_micro_batch_size_per_gpu=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps=_int_or_none(ds, "gradient_accumulation_steps"),
         gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
-        steps_per_print=_int_or_none(ds, "steps_per_print"),
+        steps_per_print=_int_or_none({"steps_per_print": 10, **ds}, "steps_per_print"),  # DeepSpeed's default
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)),
     )

@@ -1,7 +1,8 @@
 """Every DeepSpeed config key (DeepSpeed 0.19), and what fxzero does with it.
 
 One table, read by the config reader (`fxzero/config/deepspeed.py`) and printed as the docs'
-key table (`docs/deepspeed_config.md`, which a test keeps equal to it). Each key is:
+key table (`docs/deepspeed_config.md`, rendered by `markdown_table()` and rewritten with
+`tools/deepspeed_keys_doc.py`; a test keeps the two equal). Each key is:
 
 - `USED`: it sets what fxzero does, as DeepSpeed means it;
 - `NO_EFFECT`: accepted, and named once in an `IneffectiveSetting` warning with the reason (it
@@ -18,9 +19,13 @@ the key has one that fxzero can take without a trainer, and is an error otherwis
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
-__all__ = ["KEYS", "NO_EFFECT", "SECTION", "UNSUPPORTED", "USED", "Key", "OPTIMIZER_PARAMS"]
+from fxzero.config.schedules import SCHEDULES
+
+__all__ = ["KEYS", "NO_EFFECT", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES", "SECTION", "UNSUPPORTED", "USED", "Key",
+           "markdown_table"]
 
 USED, NO_EFFECT, UNSUPPORTED, SECTION = "used", "no effect", "unsupported", "section"
 _NOT_SET = object()
@@ -35,12 +40,16 @@ class Key:
     auto: Any = _NOT_SET
     """What "auto" resolves to (DeepSpeed's default); unset: "auto" is an error."""
 
+    @property
+    def honoured_values(self) -> tuple[Any, ...]:
+        """UNSUPPORTED: every value fxzero honours; empty: any value is an error."""
+        if self.honoured is _NOT_SET:
+            return ()
+        return self.honoured if isinstance(self.honoured, tuple) else (self.honoured,)
+
     def honours(self, value: Any) -> bool:
         """Whether `value` leaves fxzero doing what DeepSpeed does with it (True and 1 differ)."""
-        if self.honoured is _NOT_SET:
-            return False
-        accepted = self.honoured if isinstance(self.honoured, tuple) else (self.honoured,)
-        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in accepted)
+        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.honoured_values)
 
     @property
     def has_auto(self) -> bool:
@@ -261,3 +270,77 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Key]] = {
     },
 }
 """Each optimizer type's params ("adamw" reads as "adam")."""
+
+
+OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW")}
+"""The "optimizer" "type" values that read each `OPTIMIZER_PARAMS` table (case-insensitively)."""
+
+
+# -- the docs' tables ---------------------------------------------------------------------------
+
+def _json(value: Any) -> str:
+    return f"`{json.dumps(value)}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _effect(key: Key) -> str:
+    """What fxzero does with a key that is given (the "fxzero" column)."""
+    if key.kind == USED:
+        return "used"
+    if key.kind == NO_EFFECT:
+        return "no effect (warned once)"
+    if key.kind == SECTION:
+        return "section"
+    if not key.honoured_values:
+        return "error"
+    return "error unless " + " or ".join(_json(v) for v in key.honoured_values)
+
+
+def _auto(key: Key) -> str:
+    """What `"auto"` resolves to (the "auto" column)."""
+    if not key.has_auto:
+        return "error"
+    return "implied by the other two" if key.auto is None else _json(key.auto)
+
+
+def _key_rows(keys: dict[str, Key]) -> list[str]:
+    rows = ['| key | fxzero | "auto" | why |', "|---|---|---|---|"]
+    for path, key in keys.items():
+        rows.append(f"| `{path}` | {_cell(_effect(key))} | {_cell(_auto(key))} | {_cell(key.why)} |")
+    return rows
+
+
+def _schedule_rows() -> list[str]:
+    rows = ['| `"type"` | `"params"` | default |', "|---|---|---|"]
+    for name, cls in SCHEDULES.items():
+        for f in dataclasses.fields(cls):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            default = "required" if required else _json(f.default)
+            rows.append(f"| {_json(name)} | `{f.name}` | {_cell(default)} |")
+    return rows
+
+
+def markdown_table() -> str:
+    """The docs' generated key tables (`docs/deepspeed_config.md` between its markers): every key
+    of `KEYS` in order, the optimizer params per type, and the scheduler types with their params."""
+    out = ["<!-- generated from fxzero/config/deepspeed_keys.py by tools/deepspeed_keys_doc.py: do not edit -->",
+           "", "### Keys", ""]
+    out += _key_rows(KEYS)
+    for table, keys in OPTIMIZER_PARAMS.items():
+        types = " or ".join(f'`"{t}"`' for t in OPTIMIZER_TYPES.get(table, (table,)))
+        out += ["", f"### Optimizer params (`optimizer.type` {types})", ""]
+        out += _key_rows({f"optimizer.params.{name}": key for name, key in keys.items()})
+    out += ["", "### Scheduler types and params", "",
+            'The `"scheduler"` section is `{"type": ..., "params": {...}}`; a param not given takes the default '
+            "shown (DeepSpeed's), a required one is an error when missing, and `\"auto\"` is an error.", ""]
+    for name, cls in SCHEDULES.items():
+        out.append(f"- {_json(name)}: {' '.join((cls.__doc__ or '').split())}")
+    out += [""] + _schedule_rows()
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -125,7 +125,7 @@ def test_reads_a_json_file(tmp_path, as_path):
     cfg = Config.from_deepspeed(as_path(path))
     assert cfg == Config(stage=3, optimizer=AdamW(lr=2e-4, betas=(0.7, 0.9), eps=1e-7, weight_decay=0.05),
                          persist_threshold=4096, prefetch=Prefetch(keep_for_backward=False),
-                         offload=Offload(optimizer=Cpu(pin_memory=False)))
+                         offload=Offload(optimizer=Cpu(pin_memory=False)), steps_per_print=10)  # DeepSpeed's default
     assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(ds)
 
 
