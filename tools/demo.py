@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import fxzero
 from fxzero.zoo import gpt
@@ -111,6 +112,9 @@ def main() -> None:
             )
 
         comm_last: dict = {}
+        # A bar on rank 0's terminal (none in a log or a pipe); the per-step lines print either way.
+        bar = tqdm(total=args.steps, desc="training", unit="step", disable=None if rank == 0 else True,
+                   dynamic_ncols=True)
         for step in range(1, args.steps + 1):
             x, y = make_batch(perm, step, args.batch, seq_len)
             t0 = time.perf_counter()
@@ -127,11 +131,10 @@ def main() -> None:
             mean_loss /= world
             if rank == 0:
                 note = "  (includes tracing)" if step == 1 else ""
-                print(
-                    f"step {step:3d}/{args.steps}  loss {mean_loss.item():.4f}  "
-                    f"{step_s * 1e3:7.1f} ms{note}",
-                    flush=True,
-                )
+                tqdm.write(f"step {step:3d}/{args.steps}  loss {mean_loss.item():.4f}  {step_s * 1e3:7.1f} ms{note}")
+                bar.set_postfix_str(f"loss {mean_loss.item():.4f}", refresh=False)
+                bar.update(1)
+        bar.close()
 
         if rank == 0:
             keys = ("param_shards", "grad_shards", "optimizer_states", "model_states", "gathered_peak")

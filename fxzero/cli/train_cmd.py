@@ -1,7 +1,7 @@
 """`fxzero train MODEL --ranks N --steps K`: train on N local ranks under torchrun, record it all.
 
 The command launches `torchrun --standalone --nproc_per_node=N -m fxzero.cli.train_worker`
-and renders what rank 0 reports (one JSON event per line on stdout) as a progress bar, or as
+and renders what rank 0 reports (one JSON event per line on stdout) as a tqdm progress bar, or as
 one line per step when the output is not a terminal. The workers' stderr is kept and shown
 only when something fails (with `fxzero --traceback train ...`, in full).
 """
@@ -41,7 +41,7 @@ def _step_line(ev: dict, steps: int) -> str:
 
 
 class _Progress:
-    """A click progress bar on a terminal; plain lines elsewhere (CI logs, pipes, tests)."""
+    """A tqdm progress bar on a terminal; plain lines elsewhere (CI logs, pipes, tests)."""
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -55,16 +55,16 @@ class _Progress:
             click.echo(_step_line(ev, self.steps))
             return
         if self.bar is None:
-            self.bar = click.progressbar(length=self.steps, label="training", show_eta=True,
-                                         item_show_func=lambda _: self.last and
-                                         f"loss {self.last['loss']:.4f}  {self.last['seconds'] * 1e3:.0f} ms/step  "
-                                         f"mem/rank {_mem(self.last['ranks'])}")
-            self.bar.__enter__()
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.steps, desc="training", unit="step", file=sys.stdout, dynamic_ncols=True)
+        self.bar.set_postfix_str(f"loss {ev['loss']:.4f}  {ev['seconds'] * 1e3:.0f} ms/step  "
+                                 f"mem/rank {_mem(ev['ranks'])}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.__exit__(None, None, None)
+            self.bar.close()
             self.bar = None
             if self.last:
                 click.echo(_step_line(self.last, self.steps))

@@ -1,0 +1,132 @@
+"""fxzero.initialize and the engine attributes a DeepSpeed script reads, in a world of one.
+
+The training itself is checked against eager references on 2 ranks in
+tests/dist/test_training_loop.py; the textbook script in tests/dist/test_deepspeed_script.py.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import fxzero
+from fxzero.config import notices
+from fxzero.config.notices import IneffectiveSetting
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::fxzero.config.notices.IneffectiveSetting")]
+
+DS = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+      "zero_optimization": {"stage": 3}}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices(monkeypatch):
+    monkeypatch.setattr(notices, "_WARNED", set())
+    monkeypatch.setattr(notices, "_PRINTED", set())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+
+
+def test_initialize_returns_deepspeeds_four_and_the_attributes():
+    model = _model()
+    engine, optimizer, loader, scheduler = fxzero.initialize(model=model, model_parameters=model.parameters(),
+                                                             training_data=_data(), config=DS)
+    assert isinstance(engine, fxzero.Engine) and optimizer is engine.optimizer and scheduler is None
+    assert (engine.local_rank, engine.global_rank, engine.world_size) == (0, 0, 1)
+    assert engine.device == torch.device("cpu") and engine.module is model
+    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.gradient_accumulation_steps() == 2
+    assert engine.train_batch_size() == 8 and engine.zero_optimization_stage() == 3
+    assert engine.get_lr() == [0.01] and engine.get_global_grad_norm() is None
+    assert len(loader) == 8  # 32 samples in micro-batches of 4, one rank
+    for i, (x, y) in enumerate(loader):
+        assert x.shape == (4, 6)
+        assert engine.is_gradient_accumulation_boundary() == (i % 2 == 1)
+        loss = nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    assert engine.global_steps == 4 and engine.get_global_grad_norm() > 0
+    assert engine.eval() is engine and not model.training and engine.train().module.training
+
+
+def test_the_config_as_a_path_and_through_args(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(DS))
+
+    class Args:
+        deepspeed_config = str(path)
+
+    engine, *_ = fxzero.initialize(args=Args(), model=_model())
+    assert engine.gradient_accumulation_steps() == 2
+    assert fxzero.compile(_model(), config=str(path)).config == engine.config
+    assert fxzero.compile(_model(), config=DS).config == engine.config
+
+
+def test_a_torch_optimizer_is_read_into_the_sharded_one():
+    model = _model()
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    torch_opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 0.5}],
+                                  lr=0.02, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)
+    ds = {k: v for k, v in DS.items() if k != "optimizer"}
+    engine, optimizer, _, _ = fxzero.initialize(model=model, optimizer=torch_opt, config=ds)
+    assert engine.config.optimizer == fxzero.AdamW(lr=0.02, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.02, 0.5]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.3, 0.0]
+    adam = torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.1)
+    assert type(fxzero.initialize(model=_model(), optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
+                                  config=ds)[0].config.optimizer) is fxzero.Adam
+    with pytest.raises(ValueError, match=r"an optimizer is passed and the config has an \"optimizer\" section"):
+        fxzero.initialize(model=model, optimizer=adam, config=DS)
+    with pytest.raises(TypeError, match=r"optimizer is a SGD: fxzero's sharded update runs"):
+        fxzero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds)
+    with pytest.raises(ValueError, match=r"amsgrad=True is not supported"):
+        fxzero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True), config=ds)
+
+
+def test_schedulers_from_the_config_or_a_callable():
+    ds = {**DS, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                            "warmup_num_steps": 10}}}
+    engine, _, _, scheduler = fxzero.initialize(model=_model(), config=ds)
+    assert scheduler is engine.lr_scheduler and engine.get_lr() == [0.0]
+    step = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # noqa: E731
+    engine, _, _, scheduler = fxzero.initialize(model=_model(), config=DS, lr_scheduler=step)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is engine.optimizer
+    with pytest.raises(ValueError, match=r"lr_scheduler is passed and the config has a \"scheduler\" section"):
+        fxzero.initialize(model=_model(), config=ds, lr_scheduler=step)
+    with pytest.raises(TypeError, match=r"lr_scheduler must be a callable taking the engine's optimizer"):
+        fxzero.initialize(model=_model(), config=DS, lr_scheduler=scheduler)
+
+
+def test_stepping_the_optimizer_directly_is_refused():
+    engine, optimizer, _, _ = fxzero.initialize(model=_model(), config=DS)
+    with pytest.raises(RuntimeError, match=r"the sharded update runs in engine.step\(\)"):
+        optimizer.step()
+
+
+def test_mistakes_before_training():
+    with pytest.raises(ValueError, match=r"needs a config"):
+        fxzero.initialize(model=_model())
+    with pytest.raises(ValueError, match=r"data parallel only"):
+        fxzero.initialize(model=_model(), config=DS, mpu=object())
+    with pytest.raises(ValueError, match=r"no batch size is configured"):
+        fxzero.initialize(model=_model(), config={"zero_optimization": {"stage": 3}}, training_data=_data())
+    with pytest.raises(ValueError, match=r"train_batch_size=6, train_micro_batch_size_per_gpu=4.*world size 1"):
+        fxzero.initialize(model=_model(), config={**DS, "train_batch_size": 6})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IneffectiveSetting)
+        with pytest.raises(IneffectiveSetting, match="overlap_comm"):
+            fxzero.initialize(model=_model(), config={**DS, "zero_optimization": {"stage": 3, "overlap_comm": True}})
