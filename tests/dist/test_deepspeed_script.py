@@ -21,30 +21,40 @@ from tests.dist.harness import free_port
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(300)
-def test_the_textbook_script_trains_with_only_its_import_changed(tmp_path):
-    script = (ROOT / "examples" / "deepspeed_textbook.py").read_text()
-    assert "import fxzero as deepspeed" in script and "import deepspeed" not in script.replace("fxzero as deepspeed", "")
+def _torchrun(script: pathlib.Path, config: pathlib.Path, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     torchrun = pathlib.Path(sys.executable).with_name("torchrun")
     # The script seeds nothing (each run draws its own init and data); seed each rank's global RNG
-    # before the script runs, so that what this test sees is one run, the same every time.
+    # before the script runs, so that what a test sees is one run, the same every time.
     (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.manual_seed(0)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "--rdzv_backend=static",
-         "--master_addr=127.0.0.1", "--node_rank=0", "examples/deepspeed_textbook.py"],
+         "--master_addr=127.0.0.1", "--node_rank=0", str(script), str(config)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def _losses(proc: subprocess.CompletedProcess) -> list[float]:
     losses = [float(x) for x in re.findall(r"Epoch \d \| Step \d+ \| Loss ([\d.]+)", proc.stdout)]
-    assert len(losses) == 2, out[-4000:]  # step 0 of each epoch (8 steps per epoch), rank 0 only
-    # The targets are uniformly random: the best a model can do is predict uniformly, a loss of
-    # ln(512) = 6.2383, which no cross-entropy against uniform targets beats in expectation. From
-    # its init the loss falls toward that floor.
-    assert math.log(512) < losses[1] < losses[0], losses
+    assert len(losses) == 2, proc.stdout[-4000:]  # step 0 of each epoch (8 steps per epoch), rank 0 only
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_the_textbook_script_trains_with_only_its_import_changed(tmp_path):
+    script = ROOT / "examples" / "deepspeed_textbook.py"
+    text = script.read_text()
+    assert "import fxzero as deepspeed" in text and "import deepspeed" not in text.replace("fxzero as deepspeed", "")
+    proc = _torchrun(script, ROOT / "examples" / "ds_config.json", tmp_path)
+    # Its targets are uniformly random: nothing can be learned, and the best loss is ln(512) =
+    # 6.2383, where a small init starts. The float16 loss moves in steps of 2**-8 = 0.0039 there;
+    # it stays within a few of them (DeepSpeed itself prints 6.2461 at both epochs).
+    for loss in _losses(proc):
+        assert abs(loss - math.log(512)) < 0.02, proc.stdout
     # DeepSpeed's default steps_per_print (10): each rank's log line, with float16's loss scale
     for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] step=10 skipped=\d+ loss=[\d.]+ lr=\[2\.000e-05\] loss_scale=\d+", proc.stdout), \
-            out[-4000:]
+        assert re.search(rf"\[rank {rank}\] step=10 skipped=\d+ loss=[\d.]+ lr=\[2\.000e-05\] loss_scale=\d+",
+                         proc.stdout), proc.stdout[-4000:]
     assert "IneffectiveSetting: DeepSpeed config key 'zero_optimization.overlap_comm' has no effect" in proc.stderr
