@@ -51,12 +51,20 @@ CHUNK_BYTES = 8 << 20
 
 
 def _host_id() -> str:
+    """Equal for two ranks exactly when they can map each other's files in SHM_DIR: the same
+    machine (hostname, boot) and the same shared-memory mount (two containers with one hostname,
+    `--network host` say, have one boot id but separate /dev/shm)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        st = os.stat(SHM_DIR)
+        mount = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        mount = ""
+    return f"{socket.gethostname()}/{boot}/{mount}"
 
 
 def shared_memory_unavailable(comm: Comm, chunk_bytes: int = CHUNK_BYTES) -> Optional[str]:
