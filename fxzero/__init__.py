@@ -17,6 +17,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Adagrad": "fxzero.config",
     "Adam": "fxzero.config",
     "AdamW": "fxzero.config",
     "Bucket": "fxzero.config",

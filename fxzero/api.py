@@ -76,13 +76,16 @@ def compile(
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
-    groups, group_of = param_groups(model, model_parameters)  # (checked before any rank allocates)
+    groups, group_of = param_groups(model, model_parameters, config.optimizer)  # (checked before any rank allocates)
     _ensure_process_group()
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
     comm = make_comm(config.link_emulation, config.transport)
     batch = resolve_batch(config.train_batch_size, config.train_micro_batch_size_per_gpu,
                           config.gradient_accumulation_steps, comm.world_size)
+    if batch.gradient_accumulation_steps == 1 and config.gradient_accumulation == "local":
+        warn_ineffective(['Config(gradient_accumulation="local") has no effect with one micro-step per optimizer '
+                          "step: every backward is a boundary's, which reduces; set gradient_accumulation_steps"])
     if batch.gradient_accumulation_steps > 1 and config.offload.step_in_backward:
         raise ValueError(f"[rank {comm.rank}] the batch sizes imply gradient_accumulation_steps="
                          f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
@@ -101,9 +104,10 @@ def compile(
     store: Optional[OffloadStore] = None
     spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
     if config.offload.tiers():
-        store = OffloadStore(config.offload, comm.rank)
+        store = OffloadStore(config.offload, comm.rank, config.optimizer)
         mp = config.mixed_precision
-        store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.param_dtype if mp is not None else None))
+        store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.param_dtype if mp is not None else None,
+                                     config.optimizer))
         if store.offloaded("param"):
             spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
     params, buffers = materialize(

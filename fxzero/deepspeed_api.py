@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxzero.api import compile as compile_engine
-from fxzero.config import Adam, AdamW, Config
+from fxzero.config import Adagrad, Adam, AdamW, Config, OptimizerPolicy
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.lr_schedules import build_scheduler
@@ -33,7 +33,7 @@ __all__ = ["init_distributed", "initialize"]
 
 _TORCH_OPTIMIZER_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                              "differentiable": False, "fused": None, "decoupled_weight_decay": None}
-"""Options of torch.optim.Adam/AdamW that fxzero's update honours only at these values."""
+"""Options of torch.optim.Adam/AdamW/Adagrad that fxzero's update honours only at these values."""
 
 
 def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
@@ -86,13 +86,13 @@ def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bo
     return Config.from_deepspeed(config), "optimizer" in config
 
 
-def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[AdamW, list[dict]]:
-    """A torch AdamW/Adam as fxzero's policy and the param groups it was built with."""
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPolicy, list[dict]]:
+    """A torch AdamW/Adam/Adagrad as fxzero's policy and the param groups it was built with."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.Adagrad):
         raise TypeError(
-            f"optimizer is a {type(optimizer).__name__}: fxzero's sharded update runs AdamW and Adam; pass "
-            "torch.optim.AdamW/Adam (its param groups and hyperparameters are read), or name the optimizer "
-            "in the config")
+            f"optimizer is a {type(optimizer).__name__}: fxzero's sharded update runs AdamW, Adam and Adagrad; "
+            "pass torch.optim.AdamW/Adam/Adagrad (its param groups and hyperparameters are read), or name the "
+            "optimizer in the config")
     d = optimizer.defaults
     for option, default in _TORCH_OPTIMIZER_DEFAULTS.items():
         for group in [d, *optimizer.param_groups]:
@@ -101,11 +101,22 @@ def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[AdamW, list
                                                       and isinstance(optimizer, torch.optim.AdamW)):
                 raise ValueError(f"optimizer: {option}={value!r} is not supported by fxzero's update; "
                                  f"leave it at {default!r}")
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
-    policy = (AdamW if decoupled else Adam)(lr=float(d["lr"]), betas=tuple(d["betas"]), eps=float(d["eps"]),
-                                            weight_decay=float(d["weight_decay"]))
+    if isinstance(optimizer, torch.optim.Adagrad):
+        # torch fills every group's sum from the constructor's value, never a group's own: so does fxzero.
+        initial = float(d["initial_accumulator_value"])
+        if any(float(g.get("initial_accumulator_value", initial)) != initial for g in optimizer.param_groups):
+            raise ValueError("optimizer: a param group sets its own initial_accumulator_value, which "
+                             "torch.optim.Adagrad ignores (every sum starts from the constructor's value); give it "
+                             "to the constructor only")
+        policy: OptimizerPolicy = Adagrad(lr=float(d["lr"]), lr_decay=float(d["lr_decay"]),
+                                          weight_decay=float(d["weight_decay"]), initial_accumulator_value=initial,
+                                          eps=float(d["eps"]))
+    else:
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+        policy = (AdamW if decoupled else Adam)(lr=float(d["lr"]), betas=tuple(d["betas"]), eps=float(d["eps"]),
+                                                weight_decay=float(d["weight_decay"]))
     groups = [{"params": list(g["params"]),
-               **{k: g[k] for k in ("lr", "betas", "eps", "weight_decay") if g[k] != d[k]}}
+               **{k: g[k] for k in policy.HYPERPARAMETERS if g[k] != d[k]}}
               for g in optimizer.param_groups]
     return policy, groups
 
@@ -120,7 +131,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
     Args:
         model: the module (built eagerly or on the meta device).
-        optimizer: None (the config's "optimizer"), a torch.optim.AdamW/Adam built on the model's
+        optimizer: None (the config's "optimizer"), a torch.optim.AdamW/Adam/Adagrad built on the model's
             parameters, or a callable taking the parameters and returning one.
         model_parameters: the parameters or param groups (dicts with "params" and options).
         training_data: a torch Dataset: the returned dataloader yields this rank's micro-batches.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Optional
@@ -68,8 +69,11 @@ def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
               help="Nodes the ranks are spread over (cpu and nvme bytes are also shown per node).")
 @click.option("--offload", type=click.Choice(["cpu", "nvme"]), default=None,
               help="Move optimizer states (and, at stage 3, parameter shards) off the device.")
+@click.option("--accumulation", type=click.IntRange(min=1), default=1, show_default=True, metavar="K",
+              help="With MODEL: also show gradient accumulation over K micro-steps under both policies "
+                   "(Config.gradient_accumulation): gradient bytes held and reduce-scatter bytes per optimizer step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON (bytes).")
-def estimate_command(model: Optional[str], params_text, world, nodes, offload, as_json):
+def estimate_command(model: Optional[str], params_text, world, nodes, offload, accumulation, as_json):
     """Per-rank memory of model states (params + grads + Adam) for each ZeRO stage.
 
     With MODEL the figures come from the same unit layouts the runtime allocates (padding
@@ -100,6 +104,15 @@ def estimate_command(model: Optional[str], params_text, world, nodes, offload, a
         "offload": offload, "accounting": "runtime unit layouts" if layouts else "ZeRO paper formulas",
         "per_rank": rows,
     }
+    if accumulation > 1:
+        if layouts is None:
+            raise CLIError("--accumulation needs a MODEL (its unit layouts say what is reduced)")
+        result["accumulation"] = {
+            "steps": accumulation,
+            "per_stage": {stage: {policy: dataclasses.asdict(cost) for policy, cost in
+                                  estimate.accumulation_costs(layouts, stage, accumulation).items()}
+                          for stage in (1, 2, 3)},
+        }
     if largest is not None:
         result["largest_unit"] = {"name": largest.name, "numel": largest.padded_numel,
                                   "fp32_bytes": largest.padded_numel * largest.itemsize,
@@ -140,4 +153,14 @@ def _print(result: dict, layouts) -> None:
         click.echo(f"ZeRO-3 also gathers units on the device while they are used: the largest, {lu['name']}, "
                    f"is {human_bytes(lu['fp32_bytes'])} in fp32 ({human_bytes(lu['mixed_bytes'])} in 16 bits); "
                    "prefetch holds the next one too")
+    if "accumulation" in result:
+        acc = result["accumulation"]
+        click.echo(f"gradient accumulation over {acc['steps']} micro-steps, fp32 gradients, per rank per optimizer "
+                   "step (Config.gradient_accumulation):")
+        for stage, costs in acc["per_stage"].items():
+            sharded, local = costs["sharded"], costs["local"]
+            click.echo(f"  ZeRO-{stage}: \"sharded\" holds {human_bytes(sharded['grads_held'])} of gradients and "
+                       f"reduce-scatters {human_bytes(sharded['reduce_scatter_bytes'])}; \"local\" holds "
+                       f"{human_bytes(local['grads_held'])} and reduce-scatters "
+                       f"{human_bytes(local['reduce_scatter_bytes'])}")
     click.echo("not included: activations, temporary buffers, framework overhead")

@@ -1,19 +1,23 @@
 """User-facing configuration: `Config` and the policies it holds (frozen, keyword-only dataclasses).
 
-- `policies`: `UnitsPolicy`, `AdamW`, `Prefetch`, `Bucket`, `LinkEmulation`;
+- `policies`: `UnitsPolicy`, the optimizers (`AdamW`, `Adam`, `Adagrad`: `OptimizerPolicy`), `Prefetch`,
+  `Bucket`, `LinkEmulation`;
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
 - `precision`: `MixedPrecision` and float16's `LossScale`;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
 from fxzero.config.config import TRANSPORTS, Config
-from fxzero.config.placement import STATE_KINDS, Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import Adam, AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload, Placement, state_kinds
+from fxzero.config.policies import (OPTIMIZERS, Adagrad, Adam, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch,
+                                    UnitsPolicy)
 from fxzero.config.precision import LossScale, MixedPrecision
 
 __all__ = [
-    "STATE_KINDS",
+    "OPTIMIZERS",
+    "OPTIMIZER_STATES",
     "TRANSPORTS",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Bucket",
@@ -25,7 +29,9 @@ __all__ = [
     "MixedPrecision",
     "Nvme",
     "Offload",
+    "OptimizerPolicy",
     "Placement",
     "Prefetch",
     "UnitsPolicy",
+    "state_kinds",
 ]

@@ -24,7 +24,7 @@ from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
 from fxzero.config.precision import MixedPrecision
-from fxzero.config.policies import AdamW, Bucket, LinkEmulation, Prefetch, UnitsPolicy
+from fxzero.config.policies import AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
 
 __all__ = ["TRANSPORTS", "Config"]
 
@@ -41,8 +41,10 @@ class Config:
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     units: UnitsPolicy = UnitsPolicy()
     """How parameters are grouped into units (the sharding granularity)."""
-    optimizer: AdamW = AdamW()
-    """The optimizer run on each rank's shard."""
+    optimizer: OptimizerPolicy = AdamW()
+    """The optimizer run on each rank's shard: a `fxzero.AdamW`, `fxzero.Adam` or `fxzero.Adagrad`
+    (the subclasses of `fxzero.config.OptimizerPolicy`, whose declared states the step program
+    keeps per element: two for AdamW and Adam, one for Adagrad)."""
     seed: int = 0
     """Seed for initializing a model built on the meta device from its own `reset_parameters()`."""
     prefetch: Optional[Prefetch] = Prefetch()
@@ -65,6 +67,12 @@ class Config:
     """Micro-steps per optimizer step: `engine.step()` updates at every n-th call; the gradients of
     the calls between accumulate in the gradient shards (each backward's loss divided by n, as
     DeepSpeed does). None: implied by the two batch sizes below when both are given, else 1."""
+    gradient_accumulation: Literal["sharded", "local"] = "sharded"
+    """How micro-steps accumulate. "sharded" (DeepSpeed's and FSDP2's default): every micro-step
+    reduce-scatters and adds into the fp32 gradient shard, 16 Phi / N bytes of model states and a
+    reduce-scatter per micro-step. "local" (FSDP2's `set_requires_gradient_sync(False)`): the
+    micro-steps before the boundary add into a full gradient this rank keeps (4 Phi bytes more in
+    fp32) and only the boundary's backward reduces: one reduce-scatter per optimizer step."""
     train_batch_size: Optional[int] = None
     """Samples per optimizer step over all ranks (DeepSpeed's); with the two fields around it, one
     triple checked against the world size when the engine starts (`fxzero/config/batch.py`)."""
@@ -102,8 +110,9 @@ class Config:
             raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
         if not isinstance(self.units, UnitsPolicy):
             raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
-        if not isinstance(self.optimizer, AdamW):
-            raise TypeError(f"Config.optimizer must be a fxzero.AdamW, got {type(self.optimizer).__name__}")
+        if not isinstance(self.optimizer, OptimizerPolicy):
+            raise TypeError(f"Config.optimizer must be a fxzero.AdamW, fxzero.Adam or fxzero.Adagrad, got "
+                            f"{type(self.optimizer).__name__}")
         if self.prefetch is not None and not isinstance(self.prefetch, Prefetch):
             raise TypeError(f"Config.prefetch must be a fxzero.Prefetch or None, got {type(self.prefetch).__name__}")
         if self.transport not in TRANSPORTS:
@@ -131,6 +140,9 @@ class Config:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"Config.{name} must be an int >= 1 (or None), got {value!r}")
+        if self.gradient_accumulation not in ("sharded", "local"):
+            raise ValueError(f"Config.gradient_accumulation must be \"sharded\" or \"local\", got "
+                             f"{self.gradient_accumulation!r}")
         if self.steps_per_print is not None and not (isinstance(self.steps_per_print, int) and self.steps_per_print >= 1):
             raise ValueError(f"Config.steps_per_print must be an int >= 1 (or None: no log line), got "
                              f"{self.steps_per_print!r}")

@@ -21,7 +21,7 @@ import torch
 
 from fxzero.config.deepspeed_keys import KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import Adam, AdamW, Prefetch
+from fxzero.config.policies import Adagrad, Adam, AdamW, OptimizerPolicy, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
 from fxzero.config.schedules import schedule_from_deepspeed
 
@@ -117,32 +117,35 @@ def _offload(zero: dict[str, Any]) -> Offload:
     return Offload(params=_placement(param, "offload_param"), optimizer=_placement(opt, "offload_optimizer"))
 
 
-def _optimizer(section: dict[str, Any]) -> AdamW:
+def _optimizer(section: dict[str, Any]) -> OptimizerPolicy:
     kind = str(section.get("type", "AdamW"))
-    table = OPTIMIZER_PARAMS.get("adam" if kind.lower() in ("adam", "adamw") else kind.lower())
+    name = "adam" if kind.lower() in ("adam", "adamw") else kind.lower()
+    table = OPTIMIZER_PARAMS.get(name)
     if table is None:
         raise ValueError(f"DeepSpeed config: optimizer type {kind!r} is not supported; fxzero runs \"AdamW\" and "
-                         "\"Adam\" (with \"adam_w_mode\": false for L2 weight decay)")
+                         "\"Adam\" (with \"adam_w_mode\": false for L2 weight decay), and \"Adagrad\"")
     params = section.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"DeepSpeed config: optimizer.params must be an object, got {params!r}")
-    for name, value in params.items():
-        key = table.get(name)
+    for param, value in params.items():
+        key = table.get(param)
         if key is None:
-            near = difflib.get_close_matches(name, list(table), n=1)
+            near = difflib.get_close_matches(param, list(table), n=1)
             hint = (f"; did you mean {near[0]!r}?" if near else f"; {kind} takes {', '.join(table)}")
-            if name == "max_grad_norm":
+            if param == "max_grad_norm":
                 hint = '; clip with the top-level "gradient_clipping" key'
-            raise ValueError(f"DeepSpeed config: optimizer.params has no {name!r} for {kind}{hint}")
+            raise ValueError(f"DeepSpeed config: optimizer.params has no {param!r} for {kind}{hint}")
         if value == "auto":
-            raise ValueError(f'DeepSpeed config: optimizer.params.{name} is "auto": a trainer (such as Hugging '
+            raise ValueError(f'DeepSpeed config: optimizer.params.{param} is "auto": a trainer (such as Hugging '
                              "Face's) fills that in before DeepSpeed reads it, and fxzero has no trainer to supply "
                              "it; give a value")
         if key.kind == NO_EFFECT:
             continue  # (named by the caller's warning below)
         if key.kind == UNSUPPORTED and not key.honours(value):
-            raise ValueError(f"DeepSpeed config: optimizer.params.{name}={json.dumps(value)} is not supported by "
+            raise ValueError(f"DeepSpeed config: optimizer.params.{param}={json.dumps(value)} is not supported by "
                              f"fxzero: {key.why}; remove it")
+    if name == "adagrad":  # torch.optim.Adagrad, as DeepSpeed builds it (DeepSpeedCPUAdagrad when offloaded)
+        return Adagrad(**{k: float(params[k]) for k in table if k in params})
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam's default).
     decoupled = kind.lower() == "adamw" or bool(params.get("adam_w_mode", True))
     cls = AdamW if decoupled else Adam

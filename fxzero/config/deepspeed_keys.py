@@ -95,7 +95,8 @@ KEYS: dict[str, Key] = {
                              "time, memory)", auto=10),
     "dataloader_drop_last": _used("the dataloader fxzero.initialize returns drops the last incomplete batch"),
     "optimizer": _section("the optimizer run on each rank's shards (its type and params)"),
-    "optimizer.type": _used("\"Adam\"/\"AdamW\" (Adam with adam_w_mode false: fxzero.Adam, L2 decay)"),
+    "optimizer.type": _used("\"Adam\"/\"AdamW\" (Adam with adam_w_mode false: fxzero.Adam, L2 decay) or "
+                            "\"Adagrad\" (fxzero.Adagrad)"),
     "optimizer.params": _section("the optimizer's hyperparameters (see the optimizer params below)"),
     "optimizer.legacy_fusion": _none("fxzero's update is one per unit shard, not fused across units"),
     "scheduler": _used("Config.lr_schedule: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, "
@@ -268,11 +269,19 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Key]] = {
         "amsgrad": _off("fxzero's Adam has no AMSGrad variant", honoured=False),
         "fp32_optimizer_states": _none("fxzero keeps the optimizer states in fp32 always"),
     },
+    "adagrad": {
+        "lr": _used("Adagrad.lr (the initial lr of every param group)"),
+        "eps": _used("eps"),
+        "weight_decay": _used("weight_decay: L2, added to the gradient (torch.optim.Adagrad's)"),
+        "lr_decay": _used("lr_decay: the n-th step runs with lr / (1 + (n - 1) * lr_decay)"),
+        "initial_accumulator_value": _used("initial_accumulator_value: what the sum of squared gradients "
+                                           "starts from"),
+    },
 }
 """Each optimizer type's params ("adamw" reads as "adam")."""
 
 
-OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW")}
+OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW"), "adagrad": ("Adagrad",)}
 """The "optimizer" "type" values that read each `OPTIMIZER_PARAMS` table (case-insensitively)."""
 
 

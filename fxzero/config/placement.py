@@ -6,7 +6,9 @@ import dataclasses
 import os
 from typing import Literal, Optional, Union
 
-__all__ = ["STATE_KINDS", "Cpu", "Device", "Nvme", "Offload", "Placement"]
+from fxzero.config.policies import OPTIMIZERS, AdamW, OptimizerPolicy
+
+__all__ = ["OPTIMIZER_STATES", "Cpu", "Device", "Nvme", "Offload", "Placement", "state_kinds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +66,16 @@ class Nvme:
 
 Placement = Union[Device, Cpu, Nvme]
 
-STATE_KINDS = ("param", "grad", "exp_avg", "exp_avg_sq")
-"""The per-unit states a placement applies to: parameter shard, gradient shard, AdamW's moments."""
+OPTIMIZER_STATES: frozenset[str] = frozenset(state for policy in OPTIMIZERS for state in policy.STATES)
+"""Every optimizer state kind some policy declares ("exp_avg", "exp_avg_sq", "sum"): each is
+placed where `Offload.optimizer` says."""
+
+
+def state_kinds(optimizer: OptimizerPolicy) -> tuple[str, ...]:
+    """The per-unit states a placement applies to, training with `optimizer`: the parameter
+    shard, the gradient shard and each state the optimizer declares ([Note: optimizer states]
+    in `policies.py`: AdamW's "exp_avg" and "exp_avg_sq", Adagrad's "sum")."""
+    return ("param", "grad", *optimizer.states)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +91,8 @@ class Offload:
     params: Placement = Device()
     """This rank's parameter shards (ZeRO-3 only: at stages 1-2 parameters are held whole)."""
     optimizer: Placement = Device()
-    """AdamW's exp_avg and exp_avg_sq for this rank's shard."""
+    """The optimizer's states for this rank's shard, every one its policy declares (AdamW's
+    exp_avg and exp_avg_sq, Adagrad's sum)."""
     grads: Optional[Placement] = None
     """Reduced gradient shards between backward and step; None: where the optimizer states are
     (as DeepSpeed keeps gradients with an offloaded optimizer)."""
@@ -108,7 +119,7 @@ class Offload:
                 )
         if self.lookahead < 0:
             raise ValueError(f"Offload.lookahead must be >= 0 units, got {self.lookahead}")
-        if self.step_in_backward and not (self.offloaded("param") and self.offloaded("exp_avg")):
+        if self.step_in_backward and not (self.offloaded("param") and self.offloaded("optimizer")):
             raise ValueError(
                 "Offload(step_in_backward=True) updates units from the states the backward streams "
                 "through memory: offload both params= and optimizer= (to Cpu() or Nvme(...))"
@@ -119,21 +130,23 @@ class Offload:
         return self.optimizer if self.grads is None else self.grads
 
     def placement(self, kind: str) -> Placement:
-        """Placement of a state kind: "param", "grad", "exp_avg" or "exp_avg_sq"; also "low",
-        mixed precision's low-precision copy of the parameters, which lives with them."""
+        """Placement of a state kind: "param", "grad", or one of an optimizer's states
+        (`OPTIMIZER_STATES`; "optimizer" stands for any of them); also "low", mixed precision's
+        low-precision copy of the parameters, which lives with them."""
         if kind in ("param", "low"):
             return self.params
         if kind == "grad":
             return self.grads_placement
-        if kind in ("exp_avg", "exp_avg_sq"):
+        if kind == "optimizer" or kind in OPTIMIZER_STATES:
             return self.optimizer
-        raise ValueError(f"unknown state kind {kind!r}")
+        raise ValueError(f"unknown state kind {kind!r}: one of 'param', 'low', 'grad', 'optimizer' or an "
+                         f"optimizer's state {sorted(OPTIMIZER_STATES)}")
 
     def offloaded(self, kind: str) -> bool:
         return not isinstance(self.placement(kind), Device)
 
-    def tiers(self, mixed_precision: bool = False) -> dict[str, str]:
-        """State kind -> tier name, for the states placed off the device ("low" too, with mixed
-        precision and offloaded parameters)."""
-        kinds = STATE_KINDS + (("low",) if mixed_precision else ())
+    def tiers(self, mixed_precision: bool = False, optimizer: OptimizerPolicy = AdamW()) -> dict[str, str]:
+        """State kind -> tier name, for the states placed off the device (`state_kinds(optimizer)`;
+        "low" too, with mixed precision and offloaded parameters)."""
+        kinds = state_kinds(optimizer) + (("low",) if mixed_precision else ())
         return {k: self.placement(k).tier for k in kinds if self.offloaded(k)}

@@ -57,13 +57,14 @@ def alias_closure(root: fx.Node) -> list[fx.Node]:
 
 
 def mutated_args(node: fx.Node) -> list[fx.Node]:
-    """The arguments an operator changes in place, as its schema declares them (`Tensor(a!)`)."""
+    """The arguments an operator changes in place, as its schema declares them (`Tensor(a!)`, or
+    each tensor of a `Tensor(a!)[]`)."""
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return []
     out = []
     for i, arg in enumerate(node.target._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, fx.Node):
-                out.append(value)
+            values = value if isinstance(value, (list, tuple)) else [value]  # `Tensor(a!)[]`: each one
+            out += [v for v in values if isinstance(v, fx.Node)]
     return out

@@ -68,7 +68,7 @@ class Instruction:
     tier: str = ""
     """For a fetch or offload: the tier it reads or writes ("cpu", "nvme")."""
     state: str = ""
-    """For a fetch or offload: which state of the unit it moves (one of `fxzero.config.STATE_KINDS`)."""
+    """For a fetch or offload: which state of the unit it moves (one of `fxzero.config.state_kinds(optimizer)`, or "low")."""
     buffer: str = ""
     """The buffer this instruction makes, waits for, frees or updates (one of `BUFFERS`)."""
     keep_full: bool = False

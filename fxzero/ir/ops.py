@@ -5,7 +5,7 @@ directly) and a fake kernel, so rewritten graphs still trace under FakeTensorMod
 does not call the collective kernels: it recognizes these nodes and issues asynchronous
 collectives instead (see `fxzero/runtime/executor.py`).
 
-Ops that change a buffer in place declare it in `mutates_args` (`free`, `adamw`,
+Ops that change a buffer in place declare it in `mutates_args` (`free`, `optim_step`,
 `all_gather_into`, `cast_into`): their schema is then mutable, so `Graph.eliminate_dead_code` keeps them, and
 the schedule orders every other reader of that buffer around them ([Note: ordered by
 mutation] in `fxzero/schedule/build.py`).
@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["OPS", "adamw", "all_gather", "all_gather_into", "cast_into", "check_finite", "fetch", "flatten_grads", "free", "offload", "reduce_scatter",
-           "wait"]
+__all__ = ["OPS", "all_gather", "all_gather_into", "cast_into", "check_finite", "fetch", "flatten_grads", "free", "offload",
+           "optim_step", "reduce_scatter", "wait"]
 
 _lib = "fxzero"
 
@@ -111,8 +111,8 @@ def _(
 
 @torch.library.custom_op(f"{_lib}::fetch", mutates_args=())
 def fetch(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Start reading `unit`'s `state` ("param", "grad", "exp_avg", ...) shard, `numel` elements of
-    `dtype`, from the storage tier it is offloaded to.
+    """Start reading `unit`'s `state` ("param", "grad", an optimizer state such as "exp_avg")
+    shard, `numel` elements of `dtype`, from the storage tier it is offloaded to.
 
     The result may only be read after the matching `fxzero::wait`. Only the runtime knows the
     tiers, so there is no eager kernel.
@@ -143,22 +143,25 @@ def _(value: torch.Tensor, unit: str, state: str) -> torch.Tensor:
     return value.new_empty(0)
 
 
-@torch.library.custom_op(f"{_lib}::adamw", mutates_args=("param", "exp_avg", "exp_avg_sq"))
-def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, unit: str) -> None:
-    """One AdamW update of `unit`'s shard, in place: `param`, `exp_avg` and `exp_avg_sq` change.
+@torch.library.custom_op(f"{_lib}::optim_step", mutates_args=("param", "states"))
+def optim_step(param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], unit: str) -> None:
+    """One optimizer update of `unit`'s shard, in place: `param` and every tensor of `states`
+    change (`states`: the optimizer's per-element states, in the order its policy declares them:
+    AdamW's exp_avg and exp_avg_sq, Adagrad's sum; [Note: optimizer states] in
+    `fxzero/config/policies.py`).
 
     `param` is this rank's shard, or, for a unit held whole (ZeRO-1/2, persistent units), the
     unit's full flat buffer, of which this rank's slice is updated. The runtime supplies the
     optimizer's settings and step count, which only it knows, so there is no eager kernel.
     """
     raise RuntimeError(
-        "fxzero::adamw ran eagerly; it needs the engine's optimizer state: run the rewritten "
+        "fxzero::optim_step ran eagerly; it needs the engine's optimizer state: run the rewritten "
         "graph through fxzero's runtime"
     )
 
 
-@adamw.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, unit):
+@optim_step.register_fake
+def _(param, grad, states, unit):
     return None
 
 
@@ -224,7 +227,7 @@ OPS = {
     "flatten_grads": torch.ops.fxzero.flatten_grads.default,
     "fetch": torch.ops.fxzero.fetch.default,
     "offload": torch.ops.fxzero.offload.default,
-    "adamw": torch.ops.fxzero.adamw.default,
+    "optim_step": torch.ops.fxzero.optim_step.default,
     "all_gather_into": torch.ops.fxzero.all_gather_into.default,
     "cast_into": torch.ops.fxzero.cast_into.default,
     "check_finite": torch.ops.fxzero.check_finite.default,

@@ -29,7 +29,8 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     """
     persistent = persistent_units(config, layouts)
     mp = config.mixed_precision
-    tiers = config.offload.tiers(mixed_precision=mp is not None)
+    states = config.optimizer.states  # what the step keeps per element ([Note: optimizer states])
+    tiers = config.offload.tiers(mixed_precision=mp is not None, optimizer=config.optimizer)
     lookahead = config.offload.lookahead
     low = mp.param_dtype if mp is not None else None
     passes = [
@@ -45,8 +46,9 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         passes.append(offload_params.make(tier=tiers["param"], lookahead=lookahead, cost_model=cost_model, low_dtype=low))
         passes.append(keep_for_backward.make(buffer="fetched", count=lookahead + 1))
         if config.offload.step_in_backward:
-            passes.append(step_in_backward.make(params=tiers["param"], optimizer=tiers["exp_avg"],
-                                                lookahead=lookahead, cost_model=cost_model, low_dtype=low))
+            passes.append(step_in_backward.make(states=states, params=tiers["param"],
+                                                optimizer=config.offload.optimizer.tier, lookahead=lookahead,
+                                                cost_model=cost_model, low_dtype=low))
     elif config.prefetch is not None and config.prefetch.keep_for_backward is not False:
         # (With offloaded parameters the backward's gathers stay: they read the shards an update
         # in the backward writes; the fetched shards are kept instead.)
@@ -58,6 +60,6 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     passes += [
         canonicalize.PASS,
         split.PASS,
-        step_program.make(tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low),
+        step_program.make(states=states, tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low),
     ]
     return passes

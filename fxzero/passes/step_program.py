@@ -2,25 +2,27 @@
 
 For every trainable unit the backward does not update itself (`Offload.step_in_backward`), the
 step program reads its states, updates its shard and writes back what changed, streamed unit by
-unit ([Note: streaming] in `passes/streaming.py`). Per unit, with every state on a tier::
+unit ([Note: streaming] in `passes/streaming.py`). The optimizer states are the ones its policy
+declares (`states`: AdamW's exp_avg and exp_avg_sq, Adagrad's sum; [Note: optimizer states] in
+`fxzero/config/policies.py`). Per unit, with every state on a tier and AdamW::
 
     f_p = fetch("u", "param", n, dt); f_m = fetch("u", "exp_avg", ...); f_v = ...   # issued ahead
     ...
     p = wait(f_p); m = wait(f_m); v = wait(f_v)
     g = wait(g_u)                                  # g_u: the gradient, left in flight by the backward
-    adamw(p, g, m, v, "u")                         # in place
+    optim_step(p, g, [m, v], "u")                  # in place (Adagrad: [s], its sum)
     o_p = offload(p, "u", "param"); o_m = ...; o_v = ...
     ...
     wait(o_p); free(p); wait(o_m); free(m); ...    # retired `lookahead` units later
 
-A state on the device is a placeholder instead of a fetch (the unit's shard `unit_u`, the moments
-`exp_avg_u`, `exp_avg_sq_u`) and is updated where it lives; a unit held whole (ZeRO-1/2, or under
-the persistence threshold) updates this rank's slice of its full buffer and then gathers every
-rank's slice into it: `wait(all_gather_into(unit_u, "u", world))`.
+A state on the device is a placeholder instead of a fetch (the unit's shard `unit_u`, each
+optimizer state `<state>_u`: `exp_avg_u`, `exp_avg_sq_u`) and is updated where it lives; a unit
+held whole (ZeRO-1/2, or under the persistence threshold) updates this rank's slice of its full
+buffer and then gathers every rank's slice into it: `wait(all_gather_into(unit_u, "u", world))`.
 
 [Note: master and low]
 With mixed precision a unit's parameters live twice on this rank: the fp32 master shard, which
-AdamW updates with its fp32 moments (the placeholder `unit_u`), and the copy in the compute dtype
+the optimizer updates with its fp32 states (the placeholder `unit_u`), and the copy in the compute dtype
 that the forward and backward gather (`low_unit_u`: this rank's shard, or a unit held whole's full
 buffer). After the update the master is cast into it, once per step and on the shard only
 (`cast_into(low_unit_u, unit_u, "u")`); a unit held whole then gathers every rank's slice of it, in
@@ -48,7 +50,6 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fxzero.config import STATE_KINDS
 from fxzero.ir.layout import UnitLayout
 from fxzero.ir.ops import OPS
 from fxzero.ir.program import Program
@@ -119,16 +120,17 @@ def _fake(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device="meta")
 
 
-def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, str], lookahead: int,
-                      persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None) -> PassResult:
+def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str, ...], tiers: dict[str, str],
+                      lookahead: int, persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None) -> PassResult:
     """Build `ctx.programs["step"]`; move the backward's trailing gradient waits into it.
 
     Args:
+        states: the optimizer's per-element states, in the order its update takes them.
         tiers: state kind -> tier, for the states placed off the device.
         lookahead: units whose states are read ahead of the one being updated.
         persistent: units held whole for the whole step.
         low_dtype: mixed precision's compute dtype: the unit's parameters are an fp32 master
-            shard (what AdamW updates) and a copy in this dtype (what the forward gathers),
+            shard (what the optimizer updates) and a copy in this dtype (what the forward gathers),
             cast from the master after the update ([Note: master and low] above).
     """
     backward = ctx.programs["backward"]
@@ -144,10 +146,10 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
     def fetched(layout: UnitLayout) -> list[str]:
         # With mixed precision and offloaded parameters the low-precision shard is read too, as the
         # buffer the updated master is cast into before both are written back.
-        kinds = STATE_KINDS + (("low",) if low_dtype is not None else ())
+        kinds = ("param", "grad", *states) + (("low",) if low_dtype is not None else ())
         return [k for k in kinds if k in tiers and not (k in ("param", "low") and layout.name in persistent)]
 
-    # Placeholders for what lives on the device: the parameter buffer, the gradient, the moments.
+    # Placeholders for what lives on the device: the parameter buffer, the gradient, the optimizer states.
     resident: dict[tuple[str, str], fx.Node] = {}
     for lay in units:
         whole = lay.name in persistent
@@ -167,7 +169,7 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
             resident["grad", lay.name] = b.placeholder(
                 grad_names[lay.name], "grad", ("grad", lay.name), lay.name, _fake(lay.shard_numel, lay.dtype),
                 carried=lay.name in arrival)
-        for state in ("exp_avg", "exp_avg_sq"):
+        for state in states:
             if state not in on_tier:
                 resident[state, lay.name] = b.placeholder(
                     re.sub(r"\W", "_", f"{state}_{lay.name}"), "optim_state", (state, lay.name), lay.name,
@@ -190,8 +192,7 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
                     value.setdefault(k, node)
             if "grad" not in reads[u] and u in arrival:
                 value["grad"] = b.wait(value["grad"], u)
-            b.call("adamw", (value["param"], value["grad"], value["exp_avg"], value["exp_avg_sq"], u),
-                   "optim_step", u)
+            b.call("optim_step", (value["param"], value["grad"], [value[k] for k in states], u), "optim_step", u)
             gathered = value["param"]
             if "low" in value:
                 b.call("cast_into", (value["low"], value["param"], u), "cast", u)
@@ -209,16 +210,16 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, tiers: dict[str, 
     b.graph.output([])
     b.graph.lint()
     ctx.programs["step"] = Program(STEP, fx.GraphModule({}, b.graph, class_name="step_program"), b.inputs, [])
-    summary = {"units": len(units), "carried_gradients": carried, "lookahead": lookahead,
+    summary = {"units": len(units), "carried_gradients": carried, "lookahead": lookahead, "states": list(states),
                "fetched_states": sorted({k for lay in units for k in fetched(lay)})}
     return PassResult(gm, changed=bool(carried), summary=summary)
 
 
-def make(*, tiers: dict[str, str], lookahead: int, persistent: frozenset[str],
+def make(*, states: tuple[str, ...], tiers: dict[str, str], lookahead: int, persistent: frozenset[str],
          low_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_program",
-        functools.partial(step_program_pass, tiers=tiers, lookahead=lookahead, persistent=persistent,
+        functools.partial(step_program_pass, states=states, tiers=tiers, lookahead=lookahead, persistent=persistent,
                           low_dtype=low_dtype),
         requires=REQUIRES,
         provides=PROVIDES,

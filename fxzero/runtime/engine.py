@@ -31,7 +31,7 @@ from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
 from fxzero.runtime.stepping import StepControl, StepLog
-from fxzero.runtime.optim import AdamWState, adamw_step, group_ranges
+from fxzero.runtime.optim import group_ranges, optim_step
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import check_fingerprints
@@ -87,6 +87,7 @@ class Engine:
         self.optimizer = optimizer
         self._group_of = group_of
         self._ranges: dict[tuple[str, frozenset], list] = {}  # (unit, gradless) -> its shard's group ranges
+        self._unreduced: dict[str, torch.Tensor] = {}  # gradient_accumulation="local": full gradients kept
         self.control = StepControl(config, comm, state, batch)  # accumulation, scaling, clipping, schedule
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.global_rank = self.rank
@@ -129,8 +130,9 @@ class Engine:
         """The program's inputs by placeholder name, from what each placeholder is (its key)."""
         env = {}
         step = program.name == "step"
+        policy = self.optimizer.policy
         for name, (kind, key) in zip(runner.program.inputs, program.inputs):
-            if kind == "unit" and step:  # what AdamW updates: the (master) parameters
+            if kind == "unit" and step:  # what the optimizer updates: the (master) parameters
                 env[name] = self.state.params.get(key)
             elif kind == "unit":  # what the model computes with; None: the shard is on a tier
                 env[name] = self.state.compute_params(key)
@@ -140,8 +142,8 @@ class Engine:
                 env[name] = self.state.buffers[key]
             elif kind == "grad":
                 env[name] = self.state.grads[key]
-            elif kind in ("exp_avg", "exp_avg_sq"):
-                env[name] = self.state.moments_of(key)[kind == "exp_avg_sq"]
+            elif kind in policy.states:  # an optimizer state that lives on the device
+                env[name] = self.state.optimizer_state(key, kind, policy.initial_value(kind))
             else:
                 env[name] = values[kind][key]
         return env
@@ -188,9 +190,15 @@ class Engine:
         # so each is freed right after its last use in the backward.
         saved.clear()
         values.clear()
-        # A backward after the first of an accumulation adds into the gradient shards held.
-        runners.backward.accumulate_grads = bool(self.state.grads)
-        results = runners.backward.run(env, self._record)
+        runner = runners.backward
+        # A backward after the first of an accumulation adds into the gradient shards held ...
+        runner.accumulate_grads = bool(self.state.grads)
+        # ... or, accumulating locally, into the full gradients kept, reducing only at the boundary.
+        runner.unreduced = self._unreduced if self.config.gradient_accumulation == "local" else None
+        runner.defer_reduction = runner.unreduced is not None and not self.control.boundary
+        results = runner.run(env, self._record)
+        if runner.defer_reduction:
+            return  # ([Note: accumulating locally] in executor.py): no gradient shard yet
         grads = self.state.grads
         for (_, unit), grad in zip(program.outputs, results):
             if unit in grads:  # accumulation (or two forwards into one loss): into the shard held
@@ -235,8 +243,9 @@ class Engine:
     # -- optimizer step --------------------------------------------------------------------
 
     def _update(self, ins: Instruction, gradless: frozenset[str], param: torch.Tensor, grad: torch.Tensor,
-                exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """An optim_step: AdamW on this rank's shard of `ins.unit`, in place, wherever its states live."""
+                *states: torch.Tensor) -> None:
+        """An optim_step: the optimizer's update of this rank's shard of `ins.unit`, in place, with
+        the states its policy declares (in that order), wherever they live."""
         layout = self._layout[ins.unit]
         if ins.buffer == "persistent":  # the unit's full buffer: this rank's slice is its shard
             lo, hi = layout.shard_range(self.rank)
@@ -248,10 +257,9 @@ class Engine:
         key = (ins.unit, gradless)
         if key not in self._ranges:
             self._ranges[key] = group_ranges(layout, self.rank, self._group_of, skip=gradless)
-        adam = AdamWState(exp_avg, exp_avg_sq, self.state.steps.get(ins.unit, 0))
-        adamw_step(param, grad, adam, self.optimizer.param_groups, self._ranges[key],
-                   decoupled=self.optimizer.decoupled)
-        self.state.steps[ins.unit] = adam.step
+        step = self.state.steps.get(ins.unit, 0) + 1
+        optim_step(self.optimizer.policy, param, grad, states, step, self.optimizer.param_groups, self._ranges[key])
+        self.state.steps[ins.unit] = step
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next step() updates (DeepSpeed's name): every gradient_accumulation_steps-th."""
@@ -341,6 +349,7 @@ class Engine:
     def zero_grad(self) -> None:
         self.state.settle_grads()
         self.state.grads.clear()
+        self._unreduced.clear()
 
     # -- recording, state and reports --------------------------------------------------------
 
@@ -360,12 +369,16 @@ class Engine:
         return self.state.full_state_dict(self._model, self.comm)
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes this rank holds now, by category (`RankState.memory_report`), plus the gathered
+        """Bytes this rank holds now, by category (`RankState.memory_report`; `unreduced_grads`: the
+        full gradients kept between boundaries by Config(gradient_accumulation="local"), counted
+        in model_states too), plus the gathered
         parameter buffers alive now and at most (`gathered`, `gathered_peak`) and the state shards
         fetched from a tier and not yet released (`staged`, `staged_peak`)."""
         g = self._gathered
-        return {**self.state.memory_report(), "gathered": g.current, "gathered_peak": g.peak,
-                "staged": g.staged, "staged_peak": g.staged_peak}
+        report = self.state.memory_report()
+        unreduced = sum(t.numel() * t.element_size() for t in self._unreduced.values())
+        return {**report, "unreduced_grads": unreduced, "model_states": report["model_states"] + unreduced,
+                "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset

@@ -16,6 +16,15 @@ the micro-steps lives on the tier, as DeepSpeed's offloaded gradients accumulate
 The first backward of an accumulation overwrites (the step cleared nothing on the tier: the
 engine's gradients dict is empty, so `accumulate_grads` is False). The read is synchronous, so
 a micro-step after the first pays one read of each shard in its backward.
+
+[Note: accumulating locally]
+With Config(gradient_accumulation="local"), a backward before the accumulation's boundary does
+not reduce: each unit's flat gradient, the buffer its reduce-scatter would read, is kept
+whole in `unreduced` (the next micro-step's adds into it), and the reduce-scatter yields an
+empty token that its wait, the gradient checks and the tier writes pass through. The
+boundary's backward adds what was kept into its flat gradient and reduces that, once per
+optimizer step: traffic / gradient_accumulation_steps, at the price of the full gradients
+held in between (FSDP2's set_requires_gradient_sync(False)).
 """
 
 from __future__ import annotations
@@ -47,8 +56,10 @@ class Timed(NamedTuple):
     end: float
 
 
-Update = Callable[[Instruction, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""`update(ins, param, grad, exp_avg, exp_avg_sq)`: an `optim_step`, in place (the engine's AdamW)."""
+Update = Callable[..., None]
+"""`update(ins, param, grad, *states)`: an `optim_step`, in place (the engine's optimizer); `states`
+are the optimizer's per-element states in the order its policy declares them (AdamW's exp_avg and
+exp_avg_sq, Adagrad's sum): the instruction's reads after the parameter and the gradient."""
 
 
 @dataclasses.dataclass
@@ -147,6 +158,10 @@ class ProgramRunner:
         ]
         self.drop_after = last_reads(program)
         self.accumulate_grads = False
+        self.unreduced: Optional[dict[str, torch.Tensor]] = None
+        self.defer_reduction = False
+        """Config(gradient_accumulation="local"): the full gradients kept since the last boundary
+        (unit -> flat buffer), and whether this backward adds into them instead of reducing."""
         """Whether gradient shards written to a tier add to what the tier holds (the engine sets
         it for each backward after the first of an accumulation)."""
 
@@ -216,6 +231,15 @@ class ProgramRunner:
 
         def reduce_scatter(env: dict) -> Pending:
             flat = env[src]
+            held = self.unreduced
+            if held is not None:  # [Note: accumulating locally]
+                earlier = held.pop(ins.unit, None)
+                if earlier is not None:
+                    flat.add_(earlier)
+                    self.pool.give(earlier)
+                if self.defer_reduction:
+                    held[ins.unit] = flat  # (out of the pool until the boundary's backward)
+                    return Pending(None, _TOKEN)
             n = flat.numel() // self.comm.world_size
             # A gradient shard written to a tier is written from an aligned buffer (O_DIRECT in place).
             out = aligned_empty(n, flat.dtype) if ins.aligned and flat.device.type == "cpu" else flat.new_empty(n)
@@ -260,9 +284,11 @@ class ProgramRunner:
 
         def offload_grad(env: dict) -> _Written:
             grad = env[src]
+            if grad.numel() == 0:  # deferred ([Note: accumulating locally]): nothing to write
+                return _Written(Pending(None, grad))
             if self.accumulate_grads:  # [Note: accumulating on a tier]
                 grad = grad.add_(store.fetch("grad", ins.unit, grad.numel(), grad.dtype).wait())
-            self.flags.sum_of_squares[ins.unit] = float(grad.float().square().sum())
+            self.flags.sum_of_squares[ins.unit] = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
             return _Written(store.write("grad", ins.unit, grad))
 
         return offload_grad

@@ -2,9 +2,10 @@
 
 `ShardedOptimizer` is a `torch.optim.Optimizer`, so torch's LR schedulers and DeepSpeed-style
 ones (`fxzero/runtime/lr_schedules.py`) accept it: its `param_groups` hold the hyperparameters
-(lr, betas, eps, weight_decay) of each group of the model's parameters, and the engine's update
-reads them at every step (the learning rate is an input of the step program's updates, never a
-constant compiled into it). The state it updates is the engine's sharded state; each group's
+of each group of the model's parameters (the policy's `HYPERPARAMETERS`: lr, betas, eps and
+weight_decay for AdamW and Adam; lr, lr_decay, eps and weight_decay for Adagrad), and the
+engine's update reads them at every step (the learning rate is an input of the step program's
+updates, never a constant compiled into it). The state it updates is the engine's sharded state; each group's
 "params" is one empty placeholder tensor, since no full parameter exists.
 
 [Note: who steps]
@@ -21,22 +22,33 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from fxzero.config import Adam, AdamW
+from fxzero.config import OPTIMIZERS, OptimizerPolicy
 
 __all__ = ["ShardedOptimizer", "param_groups"]
 
-_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+def _options(policy: Optional[OptimizerPolicy]) -> tuple[str, ...]:
+    """The options a param group may set: the policy's hyperparameters (None: any policy's)."""
+    if policy is not None:
+        return policy.HYPERPARAMETERS
+    return tuple(dict.fromkeys(k for cls in OPTIMIZERS for k in cls.HYPERPARAMETERS))
 
 
-def param_groups(model: nn.Module, given: Optional[Iterable[Any]]) -> tuple[list[dict], dict[str, int]]:
+def param_groups(model: nn.Module, given: Optional[Iterable[Any]],
+                 optimizer: Optional[OptimizerPolicy] = None) -> tuple[list[dict], dict[str, int]]:
     """The hyperparameter overrides of each group and each parameter FQN's group, from what a
     user passes as `model_parameters` (tensors, or dicts of "params" plus options, as for a torch
     optimizer). None, or plain tensors: one group of every parameter.
 
+    Args:
+        optimizer: the policy whose hyperparameters a group may set (None: any policy's; then
+            `ShardedOptimizer` checks them against its policy).
+
     Raises:
         ValueError: a parameter in two groups, a tensor that is not the model's, or an option
-            fxzero does not have.
+            the optimizer does not have.
     """
+    options = _options(optimizer)
     named = dict(model.named_parameters(remove_duplicate=True))
     fqn_of = {id(p): fqn for fqn, p in named.items()}
     items = list(given) if given is not None else []
@@ -46,11 +58,8 @@ def param_groups(model: nn.Module, given: Optional[Iterable[Any]]) -> tuple[list
     for i, group in enumerate(items):
         if not isinstance(group, Mapping) or "params" not in group:
             raise ValueError(f"model_parameters[{i}]: a param group is a dict with 'params' (and options "
-                             f"{list(_HYPER)}), got {type(group).__name__}")
-        unknown = sorted(set(group) - {"params", *_HYPER, "name"})
-        if unknown:
-            raise ValueError(f"model_parameters[{i}]: unknown option(s) {unknown}; fxzero's param groups take "
-                             f"{list(_HYPER)}")
+                             f"{list(options)}), got {type(group).__name__}")
+        _check_options(group, options, optimizer, f"model_parameters[{i}]")
         for p in group["params"]:
             fqn = fqn_of.get(id(p))
             if fqn is None:
@@ -58,7 +67,7 @@ def param_groups(model: nn.Module, given: Optional[Iterable[Any]]) -> tuple[list
             if fqn in group_of:
                 raise ValueError(f"parameter {fqn!r} is in param groups {group_of[fqn]} and {i}; give each once")
             group_of[fqn] = i
-        groups.append({k: v for k, v in group.items() if k in _HYPER})
+        groups.append({k: v for k, v in group.items() if k in options})
     missing = sorted(f for f, p in named.items() if p.requires_grad and f not in group_of)
     if missing:  # like torch.optim: parameters not handed to the optimizer are not trained
         raise ValueError(f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no param group; "
@@ -67,15 +76,26 @@ def param_groups(model: nn.Module, given: Optional[Iterable[Any]]) -> tuple[list
     return groups, group_of
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """See the module doc and [Note: who steps]."""
+def _check_options(group: Mapping, options: tuple[str, ...], policy: Optional[OptimizerPolicy], where: str) -> None:
+    unknown = sorted(set(group) - {"params", *options, "name"})
+    if unknown:
+        whose = f"{type(policy).__name__}'s" if policy is not None else "fxzero's"
+        raise ValueError(f"{where}: unknown option(s) {unknown}; {whose} param groups take {list(options)}")
 
-    def __init__(self, policy: AdamW, groups: list[dict]) -> None:
-        defaults = {"lr": policy.lr, "betas": tuple(policy.betas), "eps": policy.eps,
-                    "weight_decay": policy.weight_decay}
-        super().__init__([{"params": [torch.empty(0)], **g} for g in groups], defaults)
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """See the module doc and [Note: who steps].
+
+    Args:
+        policy: the optimizer policy; its `defaults()` fill what a group does not set.
+        groups: each group's own hyperparameters (`param_groups`).
+    """
+
+    def __init__(self, policy: OptimizerPolicy, groups: list[dict]) -> None:
+        for i, group in enumerate(groups):
+            _check_options(group, policy.HYPERPARAMETERS, policy, f"param group {i}")
+        super().__init__([{"params": [torch.empty(0)], **g} for g in groups], policy.defaults())
         self.policy = policy
-        self.decoupled = not isinstance(policy, Adam)
         self._engine_steps = False
 
     def step(self, closure=None) -> None:  # noqa: D401 - see [Note: who steps]

@@ -1,9 +1,10 @@
-"""This rank's model states: parameter storage, buffers, gradients and AdamW's moments.
+"""This rank's model states: parameter storage, buffers, gradients and the optimizer's states.
 
 `RankState` is what the engine trains and what a checkpoint would save: per unit, this rank's
 parameter shard (or, for a unit held whole, its full flat buffer; or nothing, where the shard
 lives on a tier of the offload store), the model's buffers, the gradients the last backward
-left (possibly still in flight) and the moments and step counts of AdamW. It also answers for
+left (possibly still in flight) and the optimizer's per-element states (those its policy
+declares: AdamW's two moments, Adagrad's sum) and step counts. It also answers for
 them as the user sees them: the full state dict and the memory report.
 """
 
@@ -46,10 +47,11 @@ class RankState:
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
     """unit -> gradient shard, or its reduce-scatter still in flight (a `Pending`), or the
     token of its write to a tier."""
-    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """AdamW's (exp_avg, exp_avg_sq) of the units whose optimizer states live on the device."""
+    optimizer_states: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """unit -> state name -> this rank's shard of it, for the units whose optimizer states live
+    on the device (created at their first read, `optimizer_state`)."""
     steps: dict[str, int] = dataclasses.field(default_factory=dict)
-    """AdamW's step count per unit (wherever its moments live)."""
+    """The optimizer's step count per unit (wherever its states live)."""
     low: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Mixed precision: per unit, the copy of its parameters in the compute dtype that the forward
     and backward read and gather (this rank's shard, or a unit held whole's full buffer); then
@@ -65,13 +67,14 @@ class RankState:
     def layout(self, unit: str) -> UnitLayout:
         return next(lay for lay in self.layouts if lay.name == unit)
 
-    def moments_of(self, unit: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The moments of a unit whose optimizer states live on the device (zeros at first)."""
-        if unit not in self.moments:
+    def optimizer_state(self, unit: str, state: str, initial: float) -> torch.Tensor:
+        """`unit`'s optimizer state `state` ("exp_avg", "sum", ...), where its optimizer states live
+        on the device; filled with `initial` (its policy's initial value) at the first read."""
+        held = self.optimizer_states.setdefault(unit, {})
+        if state not in held:
             layout = self.layout(unit)
-            self.moments[unit] = (torch.zeros(layout.shard_numel, dtype=layout.dtype),
-                                  torch.zeros(layout.shard_numel, dtype=layout.dtype))
-        return self.moments[unit]
+            held[state] = torch.full((layout.shard_numel,), initial, dtype=layout.dtype)
+        return held[state]
 
     def settle_grads(self) -> None:
         """Wait for the gradients the backward left in flight (the step program waits for them
@@ -119,7 +122,7 @@ class RankState:
         self.settle_grads()
         params = storage_bytes([*self.params.values(), *self.low.values()])
         grads = storage_bytes(self.grads.values())
-        optim = storage_bytes(t for moments in self.moments.values() for t in moments)
+        optim = storage_bytes(t for states in self.optimizer_states.values() for t in states.values())
         held_whole = self.low if self.low else self.params
         return {
             "param_shards": params,

@@ -107,20 +107,25 @@ class StepControl:
             self.multiplier = 1.0 / scale
         self.grad_norm = self._global_norm()
         if self.clip is not None:
+            assert self.grad_norm is not None, "Config refuses gradient_clipping with step_in_backward"
             coefficient = self.clip / (self.grad_norm + 1e-6)
             self.multiplier *= min(coefficient, 1.0)
         return True
 
-    def _global_norm(self) -> float:
+    def _global_norm(self) -> Optional[float]:
         """The norm of the whole (unscaled) gradient, [Note: clipping from shards]: shards in
-        memory are read here, shards on a tier were measured as the backward wrote them."""
+        memory are read here, shards on a tier were measured as the backward wrote them. None
+        when the backward updated some unit itself (Offload(step_in_backward=True)): its
+        gradient is gone, on every rank alike."""
         self.state.settle_grads()
         local = 0.0
         for unit, grad in self.state.grads.items():
             if isinstance(grad, torch.Tensor) and grad.numel() > 0:
-                local += float(grad.float().square().sum())
-            else:  # (every gradient the step reads from a tier was written, and measured, by the backward)
+                local += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+            elif unit in self.flags.sum_of_squares:
                 local += self.flags.sum_of_squares[unit]
+            else:
+                return None
         total = self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False).wait().item()
         return math.sqrt(total) * self.multiplier
 

@@ -37,7 +37,7 @@ def _order(graph: fx.Graph) -> tuple[list[fx.Node], dict[fx.Node, set[fx.Node]]]
     rank's collective sequence identical. (Prefetch changes the order of nodes, not this.)
 
     [Note: ordered by mutation]
-    An operator that changes a buffer in place (`free`, `adamw`, `all_gather_into`: their
+    An operator that changes a buffer in place (`free`, `optim_step`, `all_gather_into`: their
     schemas say so) reads and writes the buffer's storage without a data edge to every other
     node that reads it, directly or through a view. So it runs after every earlier reader of that
     storage (for an asynchronous reader, a gather or an offload, after the reader's wait: only

@@ -35,7 +35,7 @@ KIND_STYLE: dict[str, tuple[str, str, str, str]] = {
     "reduce_scatter": ("#f28e2b", "#ffffff", "box", "reduce-scatter"),
     "fetch": ("#59a14f", "#ffffff", "box", "fetch"),
     "offload": ("#9c6ab5", "#ffffff", "box", "offload"),
-    "optim_step": ("#4e9a8f", "#ffffff", "box", "AdamW step"),
+    "optim_step": ("#4e9a8f", "#ffffff", "box", "optimizer step"),
     "cast": ("#edc948", "#3d2f00", "box", "cast"),
     "unit": ("#f1ce63", "#3d2f00", "cylinder", "unit shard"),
     "buffer": ("#d9d9d9", "#222222", "cylinder", "buffer"),

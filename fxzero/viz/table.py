@@ -36,7 +36,7 @@ def _describe(ins) -> str:
     if ins.kind == "wait":
         return f"wait {ins.unit}"
     if ins.kind == "optim_step":
-        return f"AdamW step {ins.unit}"
+        return f"optimizer step {ins.unit}"
     if ins.kind in ("fetch", "offload"):
         return f"{ins.kind} {ins.state} {ins.unit} ({ins.tier})"
     if ins.kind in ("all_gather", "reduce_scatter", "free"):

@@ -125,3 +125,19 @@ def test_mixed_accounting_is_what_a_bf16_engine_holds(stage, reduce_dtype):
     phi = sum(u.numel for u in engine.layouts)  # a world of one: no padding
     grad_bytes = 2 if reduce_dtype is None else 4
     assert states.total == (2 + grad_bytes + 12) * phi
+
+
+def test_accumulation_shows_both_policies(runner):
+    """Gradient bytes held and reduce-scatter bytes per optimizer step, from the layouts: the
+    sharded policy reduces the full flat gradient every micro-step, the local one once."""
+    layouts = plan_units(build_model("gpt-tiny"), UnitsPolicy(), 2)
+    full = sum(u.padded_numel for u in layouts if u.trainable) * 4
+    got = _json(runner, "gpt-tiny", "--world", "2", "--accumulation", "4")["accumulation"]
+    assert got["steps"] == 4
+    for stage, costs in got["per_stage"].items():
+        held = full if int(stage) == 1 else full // 2
+        assert costs["sharded"] == {"grads_held": held, "reduce_scatter_bytes": 4 * full}
+        assert costs["local"] == {"grads_held": full, "reduce_scatter_bytes": full}
+    text = invoke(runner, "estimate", "gpt-tiny", "--world", "2", "--accumulation", "4").output
+    assert 'ZeRO-3: "sharded" holds' in text and '"local" holds' in text
+    assert "needs a MODEL" in invoke(runner, "estimate", "--params", "1B", "--accumulation", "4", ok=False).output

@@ -20,9 +20,17 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero import zoo
+from fxzero import estimate, zoo
+from fxzero.units import plan_units
 from tests.dist.harness import ADAMW, run_ranks
-from tests.dist.reference import clone_state_dict, lm_loss, make_gpt_batches, rank_slice
+from tests.dist.reference import (
+    clone_state_dict,
+    default_unit_numels,
+    lm_loss,
+    make_gpt_batches,
+    padded_numel,
+    rank_slice,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -90,6 +98,18 @@ def _eager(kind: str) -> dict[str, Any]:
                     micro = lm_loss(model(xm), ym) / (ACCUMULATION * WORLD)
                     micro.backward()
                     loss += micro.detach()
+        elif kind == "accumulate_local":  # DDP under no_sync: each rank sums its micro-steps, then the mean
+            loss, per_rank = torch.zeros(()), []
+            for r in range(WORLD):
+                xs, ys = rank_slice(x, r, WORLD), rank_slice(y, r, WORLD)
+                for xm, ym in zip(xs.chunk(ACCUMULATION), ys.chunk(ACCUMULATION)):
+                    micro = lm_loss(model(xm), ym) / ACCUMULATION
+                    micro.backward()
+                    loss += micro.detach() / WORLD
+                per_rank.append([p.grad.clone() for p in model.parameters()])
+                opt.zero_grad()
+            for p, *grads in zip(model.parameters(), *per_rank):
+                p.grad = sum(grads) / WORLD
         else:
             loss = lm_loss(model(x), y)
             loss.backward()
@@ -111,7 +131,9 @@ def _engine(kind: str, stage: int = 3) -> Any:
     cfg = dict(stage=stage, optimizer=fxzero.AdamW(**ADAMW), cost_model=None)
     if kind.startswith("accumulate"):
         cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUMULATION)
-        if kind == "accumulate_cpu":  # gradients go to host memory with the optimizer states
+        if kind.startswith("accumulate_local"):  # full gradients kept locally, reduced at the boundary
+            cfg.update(gradient_accumulation="local")
+        if kind in ("accumulate_cpu", "accumulate_local_cpu"):  # gradients go to host memory with the states
             cfg.update(offload=fxzero.Offload(optimizer=fxzero.Cpu()))
         elif kind == "accumulate_nvme":
             cfg.update(offload=fxzero.Offload(optimizer=fxzero.Nvme(path=tempfile.gettempdir())))
@@ -145,7 +167,7 @@ def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
     _, batches = _problem()
     engine = _engine(kind, stage)
     micro_steps = ACCUMULATION if kind.startswith("accumulate") else 1
-    losses, norms, lrs, rs_bytes = [], [], [], []
+    losses, norms, lrs, rs_bytes, unreduced = [], [], [], [], []
     for x, y in batches:
         xs, ys = rank_slice(x, rank, WORLD), rank_slice(y, rank, WORLD)
         total = torch.zeros(())
@@ -159,6 +181,8 @@ def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
             else:
                 loss = lm_loss(engine(xm), ym)
             engine.backward(loss)
+            if m == 0:
+                unreduced.append(engine.memory_report()["unreduced_grads"])
             engine.step()
             total += loss.detach()
         rs_bytes.append(engine.comm_report().get("reduce_scatter", {}).get("bytes", 0))
@@ -168,6 +192,7 @@ def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
     dist.all_reduce(stacked)
     full = engine.full_state_dict()
     out = {"losses": (stacked / WORLD).tolist(), "norms": norms, "lrs": lrs, "rs_bytes": rs_bytes,
+           "unreduced": unreduced,
            "steps": engine.global_steps, "state_dict": {k: v.clone() for k, v in full.items()} if rank == 0 else None}
     engine.close()
     return out
@@ -187,6 +212,7 @@ def _broadcast(rank: int) -> dict[str, Any]:
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     out = {}
     for kind, stage in [("accumulate", 3), ("accumulate2", 2), ("accumulate1", 1), ("accumulate_cpu", 3),
+                        ("accumulate_local", 3), ("accumulate_local1", 1), ("accumulate_local_cpu", 3),
                         ("accumulate_nvme", 3), ("whole", 3), ("clip", 3), ("clip_cpu", 3), ("adam", 3),
                         ("groups", 3), ("warmup", 3), ("torch_schedule", 3), ("siamese", 3)]:
         out[kind] = _train(rank, kind, stage)
@@ -216,7 +242,7 @@ def _same_state(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["accumulate", "accumulate2", "accumulate1", "accumulate_cpu", "accumulate_nvme",
-                                  "whole"])
+                                  "accumulate_local", "accumulate_local1", "accumulate_local_cpu", "whole"])
 def test_accumulation_equals_the_whole_batch(runs, kind):
     """k=4 micro-batches of b (stages 3 and 2) == one micro-batch of 4b == eager on the global batch.
 
@@ -224,9 +250,11 @@ def test_accumulation_equals_the_whole_batch(runs, kind):
     further from it than eager PyTorch's own accumulation is (summing four micro-batch means
     rounds differently from one mean over the batch, and Adam turns that rounding into a
     1.05e-5 difference in one element of this problem, in eager PyTorch as in fxzero); and
-    the accumulated runs equal eager accumulation (the same sums) to 1e-5 everywhere.
+    the accumulated runs equal eager accumulation (the same sums: for gradient_accumulation=
+    "local", DDP's under no_sync, each rank's sum of its micro-steps, then their mean) to 1e-5.
     """
-    whole, accumulated = _eager("adamw"), _eager("accumulate")
+    whole = _eager("adamw")
+    accumulated = _eager("accumulate_local" if kind.startswith("accumulate_local") else "accumulate")
     got = runs[0][kind]
     _close(got["losses"], whole["losses"], f"{kind}: per-step losses")
     assert got["steps"] == STEPS
@@ -246,6 +274,30 @@ def test_accumulation_reduce_scatters_every_micro_step(runs):
     accumulate, whole = runs[0]["accumulate"]["rs_bytes"], runs[0]["whole"]["rs_bytes"]
     assert whole[0] > 0
     assert accumulate == [ACCUMULATION * b for b in whole]
+
+
+@pytest.mark.parametrize("kind", ["accumulate_local", "accumulate_local1", "accumulate_local_cpu"])
+def test_local_accumulation_reduces_once_and_holds_the_full_gradient(runs, kind):
+    """gradient_accumulation="local": one reduce-scatter per optimizer step, as the whole batch's,
+    for a full fp32 gradient of every unit held between boundaries (each unit's flat buffer:
+    its parameters padded to a multiple of the world)."""
+    got, whole = runs[0][kind], runs[0]["whole"]["rs_bytes"]
+    assert got["rs_bytes"] == whole
+    with torch.device("meta"):
+        model = _model_fn()
+    full = sum(padded_numel(n, WORLD) for n in default_unit_numels(model).values()) * 4
+    assert got["unreduced"] == [full] * STEPS
+    assert runs[0]["accumulate"]["unreduced"] == [0] * STEPS  # (the sharded policy holds none)
+
+
+def test_estimate_shows_what_each_policy_holds_and_moves(runs):
+    """`fxzero estimate --accumulation K` (estimate.accumulation_costs) against what ran."""
+    with torch.device("meta"):
+        model = _model_fn()
+    costs = estimate.accumulation_costs(plan_units(model, fxzero.UnitsPolicy(), WORLD), 3, ACCUMULATION)
+    assert costs["local"].grads_held == runs[0]["accumulate_local"]["unreduced"][0]
+    assert costs["local"].reduce_scatter_bytes == runs[0]["accumulate_local"]["rs_bytes"][0]
+    assert costs["sharded"].reduce_scatter_bytes == runs[0]["accumulate"]["rs_bytes"][0]
 
 
 @pytest.mark.parametrize("kind", ["clip", "clip_cpu"])

@@ -22,11 +22,17 @@ from tools.deepspeed_keys_doc import DOC, split
 
 DOC_TEXT = pathlib.Path(DOC).read_text()
 
-# Every key path the reader takes, with its Key: the table's, and each optimizer type's params.
+# Every key the reader takes, with its Key: the table's, by path, and each optimizer type's params,
+# by "<type>:optimizer.params.<name>" (the type they are given with: one of the table's types).
 ALL_KEYS: dict[str, Key] = dict(KEYS)
 for _table, _params in OPTIMIZER_PARAMS.items():
     for _name, _key in _params.items():
-        ALL_KEYS[f"optimizer.params.{_name}"] = _key
+        ALL_KEYS[f"{OPTIMIZER_TYPES[_table][-1]}:optimizer.params.{_name}"] = _key
+
+
+def path_of(case: str) -> str:
+    """The key's path in a DeepSpeed config ("optimizer.params.lr" for "AdamW:optimizer.params.lr")."""
+    return case.rpartition(":")[2]
 
 # A value DeepSpeed users write for a "no effect" key (its default where one is needed); keys not
 # listed try the fallbacks in order until the reader accepts one.
@@ -59,10 +65,11 @@ REFUSED = (True, 2, {"enabled": True})  # tried on every "unsupported" key, unle
 KNOWN_BUGS: dict[tuple[str, str], str] = {}  # (key, value as repr) -> what the reader does instead
 
 
-def nested(path: str, value: Any) -> dict[str, Any]:
-    """{"a": {"b": value}} for "a.b"; an optimizer param sits in an AdamW optimizer's params."""
+def nested(case: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b"; an optimizer param sits in the params of its type's optimizer."""
+    kind, _, path = case.rpartition(":")
     if path.startswith("optimizer.params."):
-        return {"optimizer": {"type": "AdamW", "params": {path.rsplit(".", 1)[1]: value}}}
+        return {"optimizer": {"type": kind, "params": {path.rsplit(".", 1)[1]: value}}}
     for part in reversed(path.split(".")):
         value = {part: value}
     return value
@@ -94,7 +101,7 @@ def test_the_docs_generated_part_is_the_table_in_code():
 
 @pytest.mark.timeout(60)
 def test_every_key_optimizer_param_and_schedule_is_in_the_doc():
-    missing = [p for p in ALL_KEYS if f"`{p}`" not in DOC_TEXT]
+    missing = [c for c in ALL_KEYS if f"`{path_of(c)}`" not in DOC_TEXT]
     missing += [f'scheduler "{t}"' for t in SCHEDULES if f'`"{t}"`' not in DOC_TEXT]
     missing += [t for types in OPTIMIZER_TYPES.values() for t in types if f'`"{t}"`' not in DOC_TEXT]
     assert not missing, f"not in docs/deepspeed_config.md: {missing}"
@@ -115,7 +122,8 @@ def test_rows_say_what_happens_and_what_auto_becomes():
     ):
         assert row in table, row
     key_rows = [line for line in table.splitlines() if line.startswith("| `") and not line.startswith('| `"')]
-    assert len(key_rows) == len(ALL_KEYS)  # one row per key, sections included
+    assert len(key_rows) == len(ALL_KEYS)  # one row per key (per optimizer type's table), sections included
+    assert "### Optimizer params (`optimizer.type` `\"Adagrad\"`)" in table
 
 
 # -- the reader, checked against the table ----------------------------------------------------
@@ -131,7 +139,7 @@ def test_a_no_effect_key_is_accepted_and_named(path):
         except ValueError as e:
             refusals.append(f"{value!r}: {e}")
             continue
-        named = [m for m in reading.ineffective if f"'{path}'" in m]
+        named = [m for m in reading.ineffective if f"'{path_of(path)}'" in m]
         assert len(named) == 1, f"{path}={value!r} was accepted but not named once: {reading.ineffective}"
         assert ALL_KEYS[path].why in named[0]
         return
@@ -142,7 +150,7 @@ def test_a_no_effect_key_is_accepted_and_named(path):
 @pytest.mark.parametrize("path,value", [_case(p, v) for p in _of_kind(UNSUPPORTED) for v in _honoured(p)])
 def test_an_unsupported_key_with_an_honoured_value_is_accepted_silently(path, value):
     reading = read_deepspeed(nested(path, value))
-    assert not [m for m in reading.ineffective if path in m]
+    assert not [m for m in reading.ineffective if path_of(path) in m]
 
 
 @pytest.mark.timeout(60)
@@ -151,7 +159,7 @@ def test_an_unsupported_key_with_another_value_is_an_error_naming_it(path):
     tried = [v for v in REFUSED if not ALL_KEYS[path].honours(v)]
     assert tried, f"{path} honours every value tried: add one it does not"
     for value in tried:
-        with pytest.raises(ValueError, match=re.escape(path)):
+        with pytest.raises(ValueError, match=re.escape(path_of(path))):
             read_deepspeed(nested(path, value))
 
 
@@ -165,5 +173,5 @@ def test_auto_resolves_where_the_table_says_and_is_printed(path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("path", [p for p, k in ALL_KEYS.items() if not k.has_auto and "auto" not in _honoured(p)])
 def test_auto_is_an_error_naming_the_key_elsewhere(path):
-    with pytest.raises(ValueError, match=re.escape(path) + ' is "auto"'):
+    with pytest.raises(ValueError, match=re.escape(path_of(path)) + ' is "auto"'):
         read_deepspeed(nested(path, "auto"))

@@ -1,9 +1,10 @@
 """Where this rank's offloaded model states live: one storage tier per placement.
 
 `OffloadStore` turns the config's placements (`fxzero.Offload`) into storage tiers
-(`fxzero/runtime/storage/`) and keys ("param/blocks.3", "exp_avg/blocks.3", ...), and is what
-the executor's fetch and offload instructions call. Each NVMe placement gets its own directory
-for this rank, `<path>/fxzero-rank<N>-<pid>`, created here and removed by `close()`.
+(`fxzero/runtime/storage/`) and keys ("param/blocks.3", "exp_avg/blocks.3", Adagrad's
+"sum/blocks.3", ...), and is what the executor's fetch and offload instructions call. Each NVMe
+placement gets its own directory for this rank, `<path>/fxzero-rank<N>-<pid>`, created here and
+removed by `close()`.
 
 [Note: space is checked before training]
 Before anything is written, `reserve` asks each tier whether this rank's states fit (with the
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from fxzero.config import STATE_KINDS, Cpu, Nvme, Offload, Placement
+from fxzero.config import AdamW, Cpu, Nvme, Offload, OptimizerPolicy, Placement, state_kinds
 from fxzero.runtime.storage import nvme_format
 from fxzero.runtime.storage.aligned import aligned_empty
 from fxzero.runtime.storage.memory import CpuTier
@@ -71,15 +72,18 @@ class OffloadStore:
     Args:
         offload: the config's placements; kinds on `Device()` are not stored here.
         rank: for error messages and directory names.
+        optimizer: the optimizer policy, whose declared states are stored with `offload.optimizer`
+            and read as its `initial_value` until first written.
     """
 
-    def __init__(self, offload: Offload, rank: int) -> None:
+    def __init__(self, offload: Offload, rank: int, optimizer: OptimizerPolicy = AdamW()) -> None:
         self.rank = rank
         self.offload = offload
+        self.optimizer = optimizer
         self._tiers: dict[Placement, StorageTier] = {}
         self._behind: dict[Placement, WriteBehind] = {}
         self._dirs: list[str] = []
-        for kind in STATE_KINDS:
+        for kind in state_kinds(optimizer):
             placement = offload.placement(kind)
             if not offload.offloaded(kind) or placement in self._tiers:
                 continue
@@ -142,8 +146,9 @@ class OffloadStore:
         self.tier(kind).write(self.key(kind, unit), value).wait()
 
     def fetch(self, kind: str, unit: str, numel: int, dtype: torch.dtype, pool=None) -> Pending:
-        """Start reading a state (into a buffer from `pool`, a BufferPool, if given); AdamW
-        moments never written yet read as zeros (the first step).
+        """Start reading a state (into a buffer from `pool`, a BufferPool, if given); an optimizer
+        state never written yet (before the first step) reads as its policy's initial value:
+        zeros for AdamW's moments, `initial_accumulator_value` for Adagrad's sum.
 
         Buffers are aligned, so reading into them and writing them back needs no staging copy
         (storage: [Note: in place]).
@@ -158,8 +163,8 @@ class OffloadStore:
             if copy is not None:  # written lately and still in memory: no disk
                 out.view(-1).copy_(copy)
                 return Pending(None, out)
-        if kind in ("exp_avg", "exp_avg_sq") and key not in tier:
-            return Pending(None, out.zero_())
+        if kind in self.optimizer.states and key not in tier:
+            return Pending(None, out.fill_(self.optimizer.initial_value(kind)))
         return tier.read(key, out)
 
     def write(self, kind: str, unit: str, value: torch.Tensor) -> Pending:
@@ -209,12 +214,13 @@ class OffloadStore:
 
 
 def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str],
-                   low_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
+                   low_dtype: Optional[torch.dtype] = None, optimizer: OptimizerPolicy = AdamW()) -> dict[str, int]:
     """Bytes each offloadable state kind takes on its tier, for one rank (`OffloadStore.reserve`).
 
     `whole`: units held whole (their parameters are never offloaded); with step_in_backward only
     those units' gradients are ever stored. `low_dtype`: mixed precision's, whose copy of each
-    offloaded parameter shard lives beside its fp32 master.
+    offloaded parameter shard lives beside its fp32 master. `optimizer`: its declared states,
+    one shard each per trainable unit.
     """
     sharded = [lay for lay in layouts if lay.name not in whole]
     trainable = [lay for lay in layouts if lay.trainable]
@@ -232,6 +238,5 @@ def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str],
         "param": on_tier("param", sharded),
         "low": low,
         "grad": on_tier("grad", stored_grads),
-        "exp_avg": on_tier("exp_avg", trainable),
-        "exp_avg_sq": on_tier("exp_avg_sq", trainable),
+        **{state: on_tier(state, trainable) for state in optimizer.states},
     }
