@@ -306,10 +306,13 @@ def _records(gm: fx.GraphModule, root_unit: str) -> list[dict]:
     return records
 
 
-def memory_record(compiled, stage: int) -> dict:
-    """Model states (runtime accounting) and per-instruction live bytes of every program."""
+def memory_record(compiled, stage: int, optimizer=None) -> dict:
+    """Model states (runtime accounting, for `optimizer`'s states: default AdamW's) and
+    per-instruction live bytes of every program."""
     schedule = compiled.schedule
-    states = estimate.runtime_model_states(schedule.units, stage, persistent=frozenset(getattr(schedule, "persistent", ())))
+    persistent = frozenset(getattr(schedule, "persistent", ()))
+    kwargs = {"optimizer": optimizer} if optimizer is not None else {}
+    states = estimate.runtime_model_states(schedule.units, stage, persistent=persistent, **kwargs)
     programs: dict[str, dict[str, list[int]]] = {}
     layouts = {u.name: u for u in schedule.units}
     held = {"forward": frozenset({"input"}), "backward": frozenset({"saved", "grad_output"})}
@@ -371,6 +374,6 @@ def record(
         schedule=schedule,
         pass_trace=[r.to_json() for r in compiled.pass_trace],
         graph=graph_record(compiled.joint, root_unit, compiled.programs["step"].gm if "step" in compiled.programs else None),
-        memory=memory_record(compiled, schedule.stage),
+        memory=memory_record(compiled, schedule.stage, getattr(config, "optimizer", None)),
         code=compiled.joint.code,
     )

@@ -64,8 +64,10 @@ class CostModel:
 
     def compute_seconds(self, ins: Instruction) -> float:
         if ins.kind == "optim_step":
-            # AdamW reads param, grad, two moments and writes three: ~7 passes over the shard.
-            return self.op_overhead_s * 10 + 7 * ins.bytes / self.mem_bytes_per_s
+            # It reads param, grad and the optimizer's states and writes all but the grad: AdamW's
+            # two moments make ~7 passes over the shard, Adagrad's one sum 5.
+            passes = 2 * len(ins.reads) - 1
+            return self.op_overhead_s * 10 + passes * ins.bytes / self.mem_bytes_per_s
         if ins.kind not in ("compute", "cast", "check"):
             return self.op_overhead_s if ins.kind in ("wait", "free") else 0.0
         return self.op_overhead_s + max(ins.flops / self.flops_per_s, (ins.read_bytes + ins.bytes) / self.mem_bytes_per_s)
