@@ -29,6 +29,7 @@ from fxzero.config.notices import print_once
 from fxzero.runtime.comm import make_comm
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
+from fxzero.runtime.lr_schedules import build_scheduler
 from fxzero.runtime.materialize import broadcast_initial_values, materialize
 from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
@@ -118,8 +119,11 @@ def compile(
     if config.mixed_precision is not None:
         _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
-    return Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
-                  optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
+    engine = Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
+                    optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
+    if config.lr_schedule is not None:  # stepped by the engine after each optimizer step
+        engine.lr_scheduler = build_scheduler(config.lr_schedule, engine.optimizer)
+    return engine
 
 
 def _report_batch(config: Config, batch: BatchSizes, world_size: int) -> None:

@@ -27,7 +27,6 @@ from fxzero.api import compile as compile_engine
 from fxzero.config import Adagrad, Adam, AdamW, Config, OptimizerPolicy
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
-from fxzero.runtime.lr_schedules import build_scheduler
 
 __all__ = ["init_distributed", "initialize"]
 
@@ -152,14 +151,12 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
         policy, model_parameters = _from_torch_optimizer(optimizer)
         cfg = dataclasses.replace(cfg, optimizer=policy)
-    init_distributed()
-    engine = compile_engine(model, cfg, model_parameters=model_parameters)
-    scheduler = None
     if lr_scheduler is not None and cfg.lr_schedule is not None:
         raise ValueError("an lr_scheduler is passed and the config has a \"scheduler\" section: give one of them")
-    if cfg.lr_schedule is not None:
-        scheduler = build_scheduler(cfg.lr_schedule, engine.optimizer)
-    elif lr_scheduler is not None:
+    init_distributed()
+    engine = compile_engine(model, cfg, model_parameters=model_parameters)
+    scheduler = engine.lr_scheduler  # the config's schedule, built by compile
+    if lr_scheduler is not None:
         if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
             raise TypeError("lr_scheduler must be a callable taking the engine's optimizer (its param groups are "
                             "what fxzero updates), e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")

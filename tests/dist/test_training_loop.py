@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero import estimate, zoo
+from fxzero.runtime.lr_schedules import build_scheduler
 from fxzero.units import plan_units
 from tests.dist.harness import ADAMW, run_ranks
 from tests.dist.reference import (
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.timeout(900)
 
 WORLD = 2
 STEPS = 6
+CLIP_STEPS = 10  # the issue's bar: parameters within 1e-5 after 10 steps with a clip that binds
 MICRO = 2  # rows per rank per micro-step
 ACCUMULATION = 4
 GLOBAL = MICRO * ACCUMULATION * WORLD  # rows per optimizer step
@@ -49,9 +51,26 @@ def _model_fn():
 
 
 @functools.cache
-def _problem() -> tuple[dict[str, torch.Tensor], list]:
+def _problem(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list]:
     torch.manual_seed(0)
-    return clone_state_dict(_model_fn()), make_gpt_batches(zoo.GPT_SIZES["tiny"], STEPS, GLOBAL, seed=3)
+    return clone_state_dict(_model_fn()), make_gpt_batches(zoo.GPT_SIZES["tiny"], steps, GLOBAL, seed=3)
+
+
+def _steps(kind: str) -> int:
+    return CLIP_STEPS if kind.startswith("clip") else STEPS
+
+
+SCHEDULES = {
+    "WarmupDecayLR": fxzero.WarmupDecayLR(total_num_steps=6, warmup_min_lr=1e-4, warmup_max_lr=2e-3,
+                                          warmup_num_steps=2, warmup_type="linear"),
+    "WarmupCosineLR": fxzero.WarmupCosineLR(total_num_steps=6, warmup_num_steps=2, warmup_min_ratio=0.1,
+                                            cos_min_ratio=0.05),
+    "OneCycle": fxzero.OneCycle(cycle_min_lr=1e-4, cycle_max_lr=2e-3, cycle_first_step_size=2,
+                                cycle_min_mom=0.85, cycle_max_mom=0.95),
+}
+"""DeepSpeed's other schedules, from the config: the eager reference runs the same scheduler
+class on its torch.optim.AdamW (the sequences themselves are checked against DeepSpeed's
+formulas in tests/passes/test_lr_schedules.py); OneCycle also cycles beta1."""
 
 
 def _decay_groups(named) -> list[dict]:
@@ -74,7 +93,7 @@ def _warmup_lr(step: int) -> float:
 
 
 def _eager(kind: str) -> dict[str, Any]:
-    state, batches = _problem()
+    state, batches = _problem(_steps(kind))
     model = _model_fn()
     model.load_state_dict(state)
     hp = dict(ADAMW)
@@ -85,8 +104,11 @@ def _eager(kind: str) -> dict[str, Any]:
     else:
         opt = torch.optim.AdamW(model.parameters(), **hp)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if kind == "torch_schedule" else None
-    losses, norms = [], []
+    if kind in SCHEDULES:
+        sched = build_scheduler(SCHEDULES[kind], opt)
+    losses, norms, betas = [], [], []
     for n, (x, y) in enumerate(batches, start=1):
+        betas.append(opt.param_groups[0]["betas"])
         if kind == "warmup":
             for g in opt.param_groups:
                 g["lr"] = _warmup_lr(n)
@@ -120,7 +142,7 @@ def _eager(kind: str) -> dict[str, Any]:
         if sched is not None:
             sched.step()
         losses.append(loss.item())
-    return {"losses": losses, "state_dict": clone_state_dict(model), "norms": norms}
+    return {"losses": losses, "state_dict": clone_state_dict(model), "norms": norms, "betas": betas}
 
 
 # -- what each rank runs ---------------------------------------------------------------------
@@ -147,6 +169,8 @@ def _engine(kind: str, stage: int = 3) -> Any:
         cfg.update(optimizer=fxzero.Adam(**ADAMW))
     elif kind == "warmup":
         cfg.update(lr_schedule=fxzero.WarmupLR(**WARMUP))
+    elif kind in SCHEDULES:  # through fxzero.compile: the Config's schedule is stepped by the engine
+        cfg.update(lr_schedule=SCHEDULES[kind])
     if kind in ("warmup", "torch_schedule"):  # through DeepSpeed's entry point, on an eager model
         model = _model_fn()
         model.load_state_dict(state)
@@ -164,15 +188,16 @@ def _engine(kind: str, stage: int = 3) -> Any:
 
 
 def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
-    _, batches = _problem()
+    _, batches = _problem(_steps(kind))
     engine = _engine(kind, stage)
     micro_steps = ACCUMULATION if kind.startswith("accumulate") else 1
-    losses, norms, lrs, rs_bytes, unreduced = [], [], [], [], []
+    losses, norms, lrs, rs_bytes, unreduced, betas = [], [], [], [], [], []
     for x, y in batches:
         xs, ys = rank_slice(x, rank, WORLD), rank_slice(y, rank, WORLD)
         total = torch.zeros(())
         engine.comm_report(reset=True)
         lrs.append(engine.get_lr())
+        betas.append(engine.optimizer.param_groups[0]["betas"])
         for m, (xm, ym) in enumerate(zip(xs.chunk(micro_steps), ys.chunk(micro_steps))):
             assert engine.is_gradient_accumulation_boundary() == (m == micro_steps - 1)
             if kind == "siamese":  # two forwards into one loss: their gradients add up
@@ -192,7 +217,7 @@ def _train(rank: int, kind: str, stage: int = 3) -> dict[str, Any]:
     dist.all_reduce(stacked)
     full = engine.full_state_dict()
     out = {"losses": (stacked / WORLD).tolist(), "norms": norms, "lrs": lrs, "rs_bytes": rs_bytes,
-           "unreduced": unreduced,
+           "unreduced": unreduced, "betas": betas,
            "steps": engine.global_steps, "state_dict": {k: v.clone() for k, v in full.items()} if rank == 0 else None}
     engine.close()
     return out
@@ -214,7 +239,8 @@ def _all(rank: int, world_size: int) -> dict[str, Any]:
     for kind, stage in [("accumulate", 3), ("accumulate2", 2), ("accumulate1", 1), ("accumulate_cpu", 3),
                         ("accumulate_local", 3), ("accumulate_local1", 1), ("accumulate_local_cpu", 3),
                         ("accumulate_nvme", 3), ("whole", 3), ("clip", 3), ("clip_cpu", 3), ("adam", 3),
-                        ("groups", 3), ("warmup", 3), ("torch_schedule", 3), ("siamese", 3)]:
+                        ("groups", 3), ("warmup", 3), ("torch_schedule", 3), ("siamese", 3),
+                        *((name, 3) for name in SCHEDULES)]:
         out[kind] = _train(rank, kind, stage)
         dist.barrier()
     out["broadcast"] = _broadcast(rank)
@@ -344,6 +370,30 @@ def test_deepspeed_warmup_drives_the_sharded_step(runs):
     _close([lrs[0] for lrs in got["lrs"]], [_warmup_lr(n) for n in range(1, STEPS + 1)], "lr per step")
     _close(got["losses"], ref["losses"], "warmup: per-step losses")
     _same_state(got["state_dict"], ref["state_dict"], "warmup")
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULES))
+def test_deepspeeds_other_schedules_drive_the_sharded_step(runs, kind):
+    ref = _eager(kind)
+    got = runs[0][kind]
+    assert len({lrs[0] for lrs in got["lrs"]}) > 2  # the lr moves
+    _close([lrs[0] for lrs in got["lrs"]], [g for g in _lrs_of(kind)], f"{kind}: lr per step")
+    assert [tuple(b) for b in got["betas"]] == [tuple(b) for b in ref["betas"]]
+    _close(got["losses"], ref["losses"], f"{kind}: per-step losses")
+    _same_state(got["state_dict"], ref["state_dict"], kind)
+    if kind == "OneCycle":
+        assert len({b[0] for b in got["betas"]}) > 2  # beta1 cycles too
+
+
+def _lrs_of(kind: str) -> list[float]:
+    """The lr each optimizer step of the eager reference ran with."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **ADAMW)
+    sched = build_scheduler(SCHEDULES[kind], opt)
+    out = []
+    for _ in range(STEPS):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step()
+    return out
 
 
 def test_a_torch_scheduler_drives_the_sharded_step(runs):
