@@ -9,6 +9,8 @@ one without talking to the others. Compiler and runtime share these types.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
+
 import torch
 import torch.nn as nn
 
@@ -65,18 +67,26 @@ class UnitLayout:
 
         Padding is never covered; adjacent ranges are merged.
         """
+        return [(a, b) for a, b, _ in self.grouped_shard_ranges(rank, {}, skip)]
+
+    def grouped_shard_ranges(self, rank: int, group_of: Mapping[str, int],
+                             skip: frozenset[str] = frozenset()) -> list[tuple[int, int, int]]:
+        """(lo, hi, group) ranges, relative to rank's shard, covered by parameters not in `skip`,
+        each parameter in group `group_of.get(fqn, 0)` (an optimizer's param groups); padding is
+        never covered, adjacent ranges of one group are merged."""
         lo, hi = self.shard_range(rank)
-        out: list[tuple[int, int]] = []
+        out: list[tuple[int, int, int]] = []
         for s in self.slots:
             if s.fqn in skip:
                 continue
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a >= b:
                 continue
-            if out and out[-1][1] == a - lo:
-                out[-1] = (out[-1][0], b - lo)
+            g = group_of.get(s.fqn, 0)
+            if out and out[-1][1] == a - lo and out[-1][2] == g:
+                out[-1] = (out[-1][0], b - lo, g)
             else:
-                out.append((a - lo, b - lo))
+                out.append((a - lo, b - lo, g))
         return out
 
     def to_json(self) -> dict:

@@ -31,7 +31,7 @@ from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
 from fxzero.runtime.stepping import StepControl, StepLog
-from fxzero.runtime.optim import group_ranges, optim_step
+from fxzero.runtime.optim import optim_step
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule import check_fingerprints
@@ -256,7 +256,7 @@ class Engine:
             grad = grad.mul(self.control.multiplier)
         key = (ins.unit, gradless)
         if key not in self._ranges:
-            self._ranges[key] = group_ranges(layout, self.rank, self._group_of, skip=gradless)
+            self._ranges[key] = layout.grouped_shard_ranges(self.rank, self._group_of, skip=gradless)
         step = self.state.steps.get(ins.unit, 0) + 1
         optim_step(self.optimizer.policy, param, grad, states, step, self.optimizer.param_groups, self._ranges[key])
         self.state.steps[ins.unit] = step

@@ -6,7 +6,7 @@ Each optimizer policy declares the states it keeps per element ([Note: optimizer
 live (the device, or buffers fetched from a tier), and runs the policy's arithmetic on them.
 
 A unit's shard may hold parameters of several groups (say, a block's weights with weight decay
-and its norms and biases without): `group_ranges` cuts the shard into element ranges that each
+and its norms and biases without): `UnitLayout.grouped_shard_ranges` cuts the shard into element ranges that each
 belong to one group, and the update reads that group's hyperparameters (AdamW: lr, betas, eps,
 weight_decay; Adagrad: lr, lr_decay, eps, weight_decay) from the optimizer's `param_groups` at
 every step, so an LR schedule that writes `param_groups[i]["lr"]` drives the sharded step.
@@ -16,34 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from fxzero.config import Adagrad, Adam, AdamW, OptimizerPolicy
-from fxzero.ir.layout import UnitLayout
 
-__all__ = ["group_ranges", "optim_step"]
-
-
-def group_ranges(layout: UnitLayout, rank: int, group_of: Mapping[str, int],
-                 skip: frozenset[str] = frozenset()) -> list[tuple[int, int, int]]:
-    """(lo, hi, group) element ranges of rank's shard, relative to it, covered by the unit's
-    parameters not in `skip` (padding never), adjacent ranges of one group merged."""
-    lo, hi = layout.shard_range(rank)
-    out: list[tuple[int, int, int]] = []
-    for s in layout.slots:
-        if s.fqn in skip:
-            continue
-        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-        if a >= b:
-            continue
-        g = group_of.get(s.fqn, 0)
-        if out and out[-1][1] == a - lo and out[-1][2] == g:
-            out[-1] = (out[-1][0], b - lo, g)
-        else:
-            out.append((a - lo, b - lo, g))
-    return out
+__all__ = ["optim_step"]
 
 
 @torch.no_grad()
