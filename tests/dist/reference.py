@@ -13,7 +13,7 @@ opt.step(); opt.zero_grad()`), so any difference from the engine is the engine's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from fxzero.zoo import CNNConfig, GPTConfig
 
 __all__ = [
+    "assert_losses_close",
+    "assert_state_close",
     "classification_loss",
     "clone_state_dict",
     "default_unit_numels",
@@ -135,6 +137,21 @@ def make_cnn_batches(
     ]
 
 
+def assert_losses_close(got: Sequence[float], want: Sequence[float], what: str, rtol: float = 1e-5) -> None:
+    """Per-step losses within `rtol` (no absolute slack), both sequences in the message."""
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                               rtol=rtol, atol=0, msg=lambda m: f"{what}\ngot  {got}\nwant {want}\n{m}")
+
+
+def assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+                       atol: float = 1e-5) -> None:
+    """The same keys, every tensor within `atol` (no relative slack), naming the first that is not."""
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol,
+                                   msg=lambda m, k=k: f"{what}: {k!r} differs\n{m}")
+
+
 def rank_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank's rows of a global batch: rows [rank * B/W, (rank + 1) * B/W).
 
@@ -166,7 +183,9 @@ def eager_gpt_reference(
     model_fn: Callable[[], nn.Module],
     state_dict: dict[str, torch.Tensor],
     batches: Sequence[Batch],
-    adamw_kwargs: dict[str, Any],
+    adamw_kwargs: Optional[dict[str, Any]] = None,
+    *,
+    make_optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
 ) -> dict[str, Any]:
     """Train one model on the whole global batch of every step.
 
@@ -175,12 +194,17 @@ def eager_gpt_reference(
         state_dict: Initial weights, loaded before training.
         batches: (x, y) per step; loss is cross-entropy of logits (B, T, V) against y (B, T).
         adamw_kwargs: Keyword arguments of `torch.optim.AdamW`.
+        make_optimizer: Instead, builds the optimizer from the model (another torch.optim class,
+            param groups).
 
     Returns:
         `{"losses": [float per step], "state_dict": final state_dict (CPU copies)}`.
     """
     model = _build(model_fn, state_dict)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+    if make_optimizer is not None:
+        opt = make_optimizer(model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs)
     losses = []
     for x, y in batches:
         loss = lm_loss(model(x), y)

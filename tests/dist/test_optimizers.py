@@ -27,7 +27,15 @@ import torch.distributed as dist
 import fxzero
 from fxzero import estimate, zoo
 from tests.dist.harness import ADAMW, run_ranks
-from tests.dist.reference import clone_state_dict, lm_loss, make_gpt_batches, rank_slice
+from tests.dist.reference import (
+    assert_losses_close,
+    assert_state_close,
+    clone_state_dict,
+    eager_gpt_reference,
+    lm_loss,
+    make_gpt_batches,
+    rank_slice,
+)
 
 WORLD = 2
 STEPS = 5
@@ -79,18 +87,11 @@ def _groups(named) -> list[dict]:
 @functools.cache
 def _eager(groups: bool) -> dict[str, Any]:
     state, batches = _problem()
-    model = _model_fn()
-    model.load_state_dict(state)
-    params = _groups(model.named_parameters()) if groups else model.parameters()
-    opt = torch.optim.Adagrad(params, **ADAGRAD)
-    losses = []
-    for x, y in batches:
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state_dict": clone_state_dict(model)}
+
+    def adagrad(model):
+        return torch.optim.Adagrad(_groups(model.named_parameters()) if groups else model.parameters(), **ADAGRAD)
+
+    return eager_gpt_reference(_model_fn, state, batches, make_optimizer=adagrad)
 
 
 # -- what each rank runs ---------------------------------------------------------------------
@@ -189,16 +190,12 @@ def runs() -> list[dict[str, Any]]:
     return run_ranks(_all, WORLD, timeout_s=900)
 
 
-def _close(got, want, what: str) -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{what}\ngot  {got}\nwant {want}\n{m}")
+def _close(got, want, what: str, rtol: float = LOSS_RTOL) -> None:
+    assert_losses_close(got, want, what, rtol)
 
 
 def _same_state(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=STATE_ATOL,
-                                   msg=lambda m, k=k: f"{what}: {k!r} differs\n{m}")
+    assert_state_close(got, want, what, STATE_ATOL)
 
 
 # -- tests -----------------------------------------------------------------------------------

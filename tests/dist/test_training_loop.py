@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +25,8 @@ from fxzero.runtime.lr_schedules import build_scheduler
 from fxzero.units import plan_units
 from tests.dist.harness import ADAMW, run_ranks
 from tests.dist.reference import (
+    assert_losses_close,
+    assert_state_close,
     clone_state_dict,
     default_unit_numels,
     lm_loss,
@@ -252,16 +254,12 @@ def runs() -> list[dict[str, Any]]:
     return run_ranks(_all, WORLD, timeout_s=900)
 
 
-def _close(got, want, what: str, rtol=LOSS_RTOL) -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                               rtol=rtol, atol=0, msg=lambda m: f"{what}\ngot  {got}\nwant {want}\n{m}")
+def _close(got, want, what: str, rtol: float = LOSS_RTOL) -> None:
+    assert_losses_close(got, want, what, rtol)
 
 
 def _same_state(got: dict, want: dict, what: str) -> None:
-    assert set(got) == set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=STATE_ATOL,
-                                   msg=lambda m, k=k: f"{what}: {k!r} differs\n{m}")
+    assert_state_close(got, want, what, STATE_ATOL)
 
 
 # -- tests -----------------------------------------------------------------------------------
