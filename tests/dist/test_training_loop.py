@@ -45,7 +45,7 @@ ACCUMULATION = 4
 GLOBAL = MICRO * ACCUMULATION * WORLD  # rows per optimizer step
 CLIP = 0.05
 WARMUP = dict(warmup_min_lr=1e-4, warmup_max_lr=2e-3, warmup_num_steps=4, warmup_type="linear")
-LOSS_RTOL, STATE_ATOL = 1e-5, 1e-5
+STATE_ATOL = 1e-5  # (and losses to rtol 1e-5: assert_losses_close's default)
 
 
 def _model_fn():
@@ -254,13 +254,6 @@ def runs() -> list[dict[str, Any]]:
     return run_ranks(_all, WORLD, timeout_s=900)
 
 
-def _close(got, want, what: str, rtol: float = LOSS_RTOL) -> None:
-    assert_losses_close(got, want, what, rtol)
-
-
-def _same_state(got: dict, want: dict, what: str) -> None:
-    assert_state_close(got, want, what, STATE_ATOL)
-
 
 # -- tests -----------------------------------------------------------------------------------
 
@@ -280,12 +273,12 @@ def test_accumulation_equals_the_whole_batch(runs, kind):
     whole = _eager("adamw")
     accumulated = _eager("accumulate_local" if kind.startswith("accumulate_local") else "accumulate")
     got = runs[0][kind]
-    _close(got["losses"], whole["losses"], f"{kind}: per-step losses")
+    assert_losses_close(got["losses"], whole["losses"], f"{kind}: per-step losses")
     assert got["steps"] == STEPS
     if kind == "whole":
-        _same_state(got["state_dict"], whole["state_dict"], kind)
+        assert_state_close(got["state_dict"], whole["state_dict"], kind)
         return
-    _same_state(got["state_dict"], accumulated["state_dict"], f"{kind} against eager accumulation")
+    assert_state_close(got["state_dict"], accumulated["state_dict"], f"{kind} against eager accumulation")
     for k, want in whole["state_dict"].items():
         allowed = (accumulated["state_dict"][k] - want).abs().clamp(min=STATE_ATOL) + 1e-7
         excess = (got["state_dict"][k] - want).abs() - allowed
@@ -329,9 +322,9 @@ def test_clipping_equals_clip_grad_norm(runs, kind):
     ref = _eager("clip")
     assert min(ref["norms"]) > CLIP  # the clip binds at every step
     got = runs[0][kind]
-    _close(got["norms"], ref["norms"], f"{kind}: global grad norm (before clipping)")
-    _close(got["losses"], ref["losses"], f"{kind}: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], kind)
+    assert_losses_close(got["norms"], ref["norms"], f"{kind}: global grad norm (before clipping)")
+    assert_losses_close(got["losses"], ref["losses"], f"{kind}: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], kind)
     assert runs[1][kind]["norms"] == got["norms"]  # every rank reports the same norm
 
 
@@ -340,15 +333,15 @@ def test_two_forwards_into_one_loss_accumulate(runs):
     batch (the halves are equal), so the same training as the whole batch."""
     ref = _eager("adamw")
     got = runs[0]["siamese"]
-    _close(got["losses"], ref["losses"], "siamese: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], "siamese")
+    assert_losses_close(got["losses"], ref["losses"], "siamese: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], "siamese")
 
 
 def test_adam_equals_torch_adam(runs):
     ref = _eager("adam")
     assert ref["state_dict"].keys()
-    _close(runs[0]["adam"]["losses"], ref["losses"], "Adam: per-step losses")
-    _same_state(runs[0]["adam"]["state_dict"], ref["state_dict"], "adam")
+    assert_losses_close(runs[0]["adam"]["losses"], ref["losses"], "Adam: per-step losses")
+    assert_state_close(runs[0]["adam"]["state_dict"], ref["state_dict"], "adam")
     # L2 decay differs from decoupled decay: the two references do not agree with each other
     assert not all(torch.allclose(a, b, atol=STATE_ATOL) for a, b in
                    zip(ref["state_dict"].values(), _eager("adamw")["state_dict"].values()))
@@ -357,17 +350,17 @@ def test_adam_equals_torch_adam(runs):
 def test_param_groups_are_honoured(runs):
     ref = _eager("groups")
     got = runs[0]["groups"]
-    _close(got["losses"], ref["losses"], "param groups: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], "groups")
+    assert_losses_close(got["losses"], ref["losses"], "param groups: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], "groups")
     assert got["lrs"][0] == [ADAMW["lr"], 3e-3]
 
 
 def test_deepspeed_warmup_drives_the_sharded_step(runs):
     ref = _eager("warmup")
     got = runs[0]["warmup"]
-    _close([lrs[0] for lrs in got["lrs"]], [_warmup_lr(n) for n in range(1, STEPS + 1)], "lr per step")
-    _close(got["losses"], ref["losses"], "warmup: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], "warmup")
+    assert_losses_close([lrs[0] for lrs in got["lrs"]], [_warmup_lr(n) for n in range(1, STEPS + 1)], "lr per step")
+    assert_losses_close(got["losses"], ref["losses"], "warmup: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], "warmup")
 
 
 @pytest.mark.parametrize("kind", list(SCHEDULES))
@@ -375,10 +368,10 @@ def test_deepspeeds_other_schedules_drive_the_sharded_step(runs, kind):
     ref = _eager(kind)
     got = runs[0][kind]
     assert len({lrs[0] for lrs in got["lrs"]}) > 2  # the lr moves
-    _close([lrs[0] for lrs in got["lrs"]], [g for g in _lrs_of(kind)], f"{kind}: lr per step")
+    assert_losses_close([lrs[0] for lrs in got["lrs"]], [g for g in _lrs_of(kind)], f"{kind}: lr per step")
     assert [tuple(b) for b in got["betas"]] == [tuple(b) for b in ref["betas"]]
-    _close(got["losses"], ref["losses"], f"{kind}: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], kind)
+    assert_losses_close(got["losses"], ref["losses"], f"{kind}: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], kind)
     if kind == "OneCycle":
         assert len({b[0] for b in got["betas"]}) > 2  # beta1 cycles too
 
@@ -397,9 +390,9 @@ def _lrs_of(kind: str) -> list[float]:
 def test_a_torch_scheduler_drives_the_sharded_step(runs):
     ref = _eager("torch_schedule")
     got = runs[0]["torch_schedule"]
-    _close([lrs[0] for lrs in got["lrs"]], [ADAMW["lr"] * 0.5 ** (n // 2) for n in range(STEPS)], "lr per step")
-    _close(got["losses"], ref["losses"], "StepLR: per-step losses")
-    _same_state(got["state_dict"], ref["state_dict"], "torch_schedule")
+    assert_losses_close([lrs[0] for lrs in got["lrs"]], [ADAMW["lr"] * 0.5 ** (n // 2) for n in range(STEPS)], "lr per step")
+    assert_losses_close(got["losses"], ref["losses"], "StepLR: per-step losses")
+    assert_state_close(got["state_dict"], ref["state_dict"], "torch_schedule")
 
 
 def test_every_rank_starts_from_rank_0s_weights(runs):
