@@ -81,7 +81,7 @@ def compile(
     _ensure_process_group()
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
-    comm = make_comm(config.link_emulation, config.transport)
+    comm = make_comm(config.link_emulation, config.transport, config.collective_timeout)
     batch = resolve_batch(config.train_batch_size, config.train_micro_batch_size_per_gpu,
                           config.gradient_accumulation_steps, comm.world_size)
     if batch.gradient_accumulation_steps == 1 and config.gradient_accumulation == "local":

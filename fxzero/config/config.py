@@ -61,6 +61,9 @@ class Config:
     this host with gloo (CPU buffers; `fxzero/runtime/comm/shm.py`), else the process group;
     "shared_memory": that, or an error before training; "process_group": torch.distributed's
     collectives (gloo over loopback TCP, NCCL) always."""
+    collective_timeout: float = 300.0
+    """Seconds any collective waits for the other ranks before it is an error naming the rank,
+    the program, the instruction and its unit (a rank that died or went another way)."""
     offload: Offload = Offload()
     """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
     gradient_accumulation_steps: Optional[int] = None
@@ -156,6 +159,8 @@ class Config:
                 "backward, and Offload(step_in_backward=True) updates each unit during it: drop one of them")
         if self.gradient_clipping is not None and not self.gradient_clipping > 0:
             raise ValueError(f"Config.gradient_clipping must be > 0 (None: no clipping), got {self.gradient_clipping!r}")
+        if not (isinstance(self.collective_timeout, (int, float)) and 0 < self.collective_timeout <= 1e7):
+            raise ValueError(f"Config.collective_timeout must be seconds in (0, 1e7], got {self.collective_timeout!r}")
         if self.persist_threshold < 0:
             raise ValueError(f"Config.persist_threshold must be >= 0 parameters, got {self.persist_threshold}")
 

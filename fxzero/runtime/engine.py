@@ -34,7 +34,7 @@ from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import optim_step
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.pool import BufferPool
-from fxzero.schedule import check_fingerprints
+from fxzero.schedule.validate import collective_sequence, first_difference, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
 
 __all__ = ["Engine", "Runners"]
@@ -50,6 +50,9 @@ class Runners(NamedTuple):
     forward: ProgramRunner
     backward: ProgramRunner
     step: ProgramRunner
+    sequence: tuple[str, ...]
+    """The collectives a step of it issues (`collective_sequence`)."""
+    digest: int
 
 
 class Engine:
@@ -100,8 +103,7 @@ class Engine:
     def _runners_for(self, inputs: tuple[torch.Tensor, ...]) -> Runners:
         key = (self._model.training, tuple((tuple(x.shape), x.dtype) for x in inputs))
         if key not in self._cache:
-            compiled = self._compile(inputs)
-            check_fingerprints(self.comm.all_gather_object(compiled.schedule.fingerprint), rank=self.rank)
+            compiled = self._compile(inputs)  # (on this rank alone: see _agree)
             gradless = frozenset(compiled.signature.gradless_fqns)
             update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
             schedule, programs = compiled.schedule, compiled.programs
@@ -110,8 +112,28 @@ class Engine:
                 return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
                                      self.store, update, pool=self._pool, flags=self.control.flags)
 
-            self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"))
+            sequence = collective_sequence(schedule)
+            self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
+                                       sequence_digest(sequence))
         return self._cache[key]
+
+    def _agree(self, runners: Runners) -> None:
+        """[Note: one collective sequence] Before any collective of a step, every rank checks that
+        every rank's program issues the same collectives: one 8-byte all-gather per forward. Ranks
+        whose inputs differ in shape compile and cache their own programs, and train; ranks whose
+        collectives would differ all raise here, naming the first difference, instead of hanging."""
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([runners.digest], dtype=torch.int64)
+        digests = torch.empty(self.world_size, dtype=torch.int64)
+        try:
+            self.comm.all_gather(digests, mine, count=False).wait()
+        except Exception as e:
+            raise RuntimeError(f"[rank {self.rank}] the other ranks did not reach the start of this forward within "
+                               f"Config.collective_timeout={self.config.collective_timeout:g} s (a rank died, or is "
+                               f"still in another program). {e}") from e
+        if (digests != runners.digest).any():  # every rank sees it: all take this branch together
+            raise first_difference(self.comm.all_gather_object(runners.sequence), rank=self.rank)
 
     @property
     def program(self) -> CompiledProgram:
@@ -155,6 +177,7 @@ class Engine:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"[rank {self.rank}] input {i} is a {type(x).__name__}; pass tensors")
         runners = self._runners_for(tuple(inputs))
+        self._agree(runners)
         self._last = runners
         outputs = RunProgram.apply(self, runners, torch.is_grad_enabled(), self._anchor, *inputs)
         return pytree.tree_unflatten(list(outputs), runners.compiled.signature.out_spec)

@@ -103,6 +103,20 @@ class GradientFlags:
         self.sum_of_squares.clear()
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective whose peers did not arrive within `Config.collective_timeout`."""
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is a collective's timeout (gloo's, NCCL's, the shared-memory barrier's)."""
+    while e is not None:
+        text = str(e).lower()
+        if "timed out" in text or "timeout" in text:
+            return True
+        e = e.__cause__
+    return False
+
+
 class _Written(NamedTuple):
     """An offload in flight; its wait yields an empty token (the value now lives in its tier)."""
 
@@ -335,6 +349,13 @@ class ProgramRunner:
         staged = ins.buffer == "fetched"
         return lambda env: self.release(env[src], staged)
 
+    def _timed_out(self, index: int, ins: Instruction, error: Exception) -> "CollectiveTimeout":
+        waited = ins.reads[0] if ins.kind == "wait" and ins.reads else ins.name
+        return CollectiveTimeout(
+            f"[rank {self.comm.rank}] a collective timed out in the {self.program.name} program at instruction "
+            f"{index} ({ins.kind} {ins.name} of {waited}, unit {ins.unit or '-'}): the other ranks did not join it "
+            f"within Config.collective_timeout (a rank died, or went another way). {error}")
+
     def release(self, buf: torch.Tensor, staged: bool = False) -> None:
         """Free a gathered buffer (or, `staged`, a fetched shard): uncount it and hand it back
         to the pool."""
@@ -368,7 +389,12 @@ class ProgramRunner:
         clock = time.perf_counter
         for i, (ins, fn) in enumerate(self.steps):
             start = clock() if record is not None else 0.0
-            env[ins.name] = fn(env)
+            try:
+                env[ins.name] = fn(env)
+            except Exception as e:
+                if is_timeout(e):
+                    raise self._timed_out(i, ins, e) from e
+                raise
             if record is not None:
                 record.append(Timed(self.program.name, i, start, clock()))
             for name in self.drop_after.get(i, ()):

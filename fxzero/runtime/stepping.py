@@ -27,7 +27,7 @@ import torch
 from fxzero.config import Config
 from fxzero.config.batch import BatchSizes
 from fxzero.runtime.comm import Comm
-from fxzero.runtime.executor import GradientFlags
+from fxzero.runtime.executor import CollectiveTimeout, GradientFlags, is_timeout
 from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
 from fxzero.runtime.state import RankState
 
@@ -90,12 +90,13 @@ class StepControl:
         self.multiplier = 1.0
         if self.scaler is None:
             pending, self._loss_flags = self._loss_flags, []
-            if any(p.wait().item() > 0 for p, _ in pending):
+            if any(self._wait(p, "the loss-finiteness flag").item() > 0 for p, _ in pending):
                 raise self.nonfinite_error("the loss is not finite on some rank", layouts)
         else:
             # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
             bad, self._first_bad = self.flags.nonfinite, self.flags.first
-            overflow = self.comm.all_reduce(torch.tensor([1.0 if bad else 0.0]), count=False).wait().item() > 0
+            flag = self.comm.all_reduce(torch.tensor([1.0 if bad else 0.0]), count=False)
+            overflow = self._wait(flag, "the float16 overflow flag").item() > 0
             scale = self.scaler.scale
             self.scaler.update(overflow)
             if overflow:
@@ -126,8 +127,21 @@ class StepControl:
                 local += self.flags.sum_of_squares[unit]
             else:
                 return None
-        total = self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False).wait().item()
+        total = self._wait(self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False),
+                           "the gradient norm's sum of squares").item()
         return math.sqrt(total) * self.multiplier
+
+    def _wait(self, pending, what: str) -> torch.Tensor:
+        """A step collective's result; a timeout is an error naming it."""
+        try:
+            return pending.wait()
+        except Exception as e:
+            if is_timeout(e):
+                raise CollectiveTimeout(
+                    f"[rank {self.comm.rank}] a collective timed out in step {self.global_steps + 1}'s agreement "
+                    f"({what}, one all-reduce over the ranks): the other ranks did not join it within "
+                    f"Config.collective_timeout (a rank died, or went another way). {e}") from e
+            raise
 
     def stepped(self, optimizer, skipped: bool) -> None:
         """After a boundary: count it, step the optimizer for the schedulers and the schedule."""

@@ -2,12 +2,12 @@
 
 - `types`: `Schedule`, `ProgramSchedule`, `ScheduleError` (frozen, versioned, JSON);
 - `build`: `build_schedule`, the programs ordered and lowered into instructions;
-- `validate`: `validate`, `fingerprint_of`, `check_fingerprints`.
+- `validate`: `validate`, `fingerprint_of`, `collective_sequence`, `first_difference`.
 """
 
 from fxzero.schedule.build import build_schedule
 from fxzero.schedule.types import SCHEDULE_VERSION, ProgramSchedule, Schedule, ScheduleError
-from fxzero.schedule.validate import check_fingerprints, fingerprint_of, validate
+from fxzero.schedule.validate import collective_sequence, fingerprint_of, first_difference, validate
 
 __all__ = [
     "SCHEDULE_VERSION",
@@ -15,7 +15,8 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "build_schedule",
-    "check_fingerprints",
+    "collective_sequence",
+    "first_difference",
     "fingerprint_of",
     "validate",
 ]

@@ -2,8 +2,9 @@
 
 `validate` rejects a schedule that would read a collective's result before its wait, use a
 gathered buffer after its free, free twice or leave a gathered buffer allocated;
-`check_fingerprints` turns ranks that compiled different collective sequences into an error
-instead of a hang.
+`collective_sequence` is what a step issues, which every rank must issue alike: the engine
+compares the ranks' digests before each step and `first_difference` turns a difference into an
+error on every rank, instead of a hang.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fxzero.ir.instruction import ASYNC, COLLECTIVES, Instruction
 from fxzero.ir.layout import UnitLayout
 from fxzero.schedule.types import ProgramSchedule, Schedule, ScheduleError
 
-__all__ = ["check_fingerprints", "fingerprint_of", "validate"]
+__all__ = ["collective_sequence", "fingerprint_of", "first_difference", "sequence_digest", "validate"]
 
 
 def fingerprint_of(programs: Iterable[ProgramSchedule], units: Iterable[UnitLayout], stage: int) -> str:
@@ -109,15 +110,33 @@ def validate(schedule: Schedule) -> None:
         raise ScheduleError(f"{first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)")
 
 
-def check_fingerprints(fingerprints: list[str], *, rank: int) -> None:
-    """Raise if the ranks' schedule fingerprints differ (they would issue different collectives)."""
-    if len(set(fingerprints)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, fp in enumerate(fingerprints):
-            groups.setdefault(fp, []).append(r)
-        detail = "; ".join(f"ranks {rs}: {fp}" for fp, rs in groups.items())
-        raise RuntimeError(
-            f"[rank {rank}] the ranks compiled different schedules ({detail}), so they would "
-            "issue different collectives and hang; make sure every rank builds the same model "
-            "with the same config and the same input shapes"
-        )
+def collective_sequence(schedule) -> tuple[str, ...]:
+    """The collectives a step of `schedule` issues, in issue order, one line each: what every rank
+    must issue alike. They do not depend on the inputs' shapes (each unit's gathers and
+    reductions move its own flat buffer), so ranks whose inputs differ in shape agree on them."""
+    return tuple(f"{program}: {ins.kind} of {ins.unit or '-'} ({ins.numel} x {ins.dtype or '?'}"
+                 f"{', as ' + ins.algorithm if ins.algorithm else ''})"
+                 for program, ins in schedule.collectives())
+
+
+def sequence_digest(sequence: tuple[str, ...]) -> int:
+    """A signed 63-bit digest of a collective sequence, cheap to compare across ranks."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b("\n".join(sequence).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def first_difference(sequences: list[tuple[str, ...]], *, rank: int) -> RuntimeError:
+    """The error every rank raises when the ranks' collective sequences differ: the ranks of each
+    sequence, and the first collective where they part."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for r, seq in enumerate(sequences):
+        groups.setdefault(seq, []).append(r)
+    (a, ranks_a), (b, ranks_b) = list(groups.items())[:2]
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    at = lambda seq: seq[i] if i < len(seq) else "(nothing: its step ends)"  # noqa: E731
+    return RuntimeError(
+        f"[rank {rank}] the ranks' programs would issue different collectives, which would hang: at collective "
+        f"{i}, ranks {ranks_a} issue {at(a)} and ranks {ranks_b} issue {at(b)}. Every rank must compile the same "
+        "collectives: the same model, config and training mode on every rank, and no Python branch in the "
+        "forward on an input's shape or values (shapes may differ; the branches they take may not)")

@@ -118,7 +118,7 @@ def test_mismatched_ranks_fail_fast_with_a_clear_error():
     with pytest.raises(AssertionError) as info:
         run_ranks(_mismatched, 2, timeout_s=120)
     message = str(info.value)
-    assert "[rank 0] the ranks compiled different schedules" in message or (
-        "[rank 1] the ranks compiled different schedules" in message
-    ), message
+    # (the harness stops the run at the first failed rank: one of the two tracebacks comes back)
+    assert any(f"[rank {rank}] the ranks' programs would issue different collectives" in message
+               for rank in (0, 1)), message
     assert "hang" in message

@@ -19,7 +19,7 @@ from fxzero.schedule import (
     SCHEDULE_VERSION,
     Schedule,
     ScheduleError,
-    check_fingerprints,
+    first_difference,
     fingerprint_of,
     validate,
 )
@@ -319,14 +319,12 @@ def test_instruction_json_round_trip():
 # Fingerprints across ranks
 
 
-def test_differing_fingerprints_raise_naming_the_ranks():
-    with pytest.raises(RuntimeError) as err:
-        check_fingerprints(["a", "a", "b"], rank=0)
-    message = str(err.value)
-    assert message.startswith("[rank 0]")
-    assert "ranks [0, 1]: a" in message and "ranks [2]: b" in message
-
-
-def test_equal_fingerprints_pass():
-    check_fingerprints(["a", "a", "a"], rank=2)
-    check_fingerprints(["a"], rank=0)
+def test_differing_collective_sequences_raise_naming_the_ranks_and_the_first_difference():
+    a = ("forward: all_gather of root (8 x float32)", "forward: all_gather of blocks.0 (16 x float32)")
+    b = ("forward: all_gather of root (8 x float32)", "forward: all_gather of blocks.1 (16 x float32)")
+    message = str(first_difference([a, a, b], rank=2))
+    assert message.startswith("[rank 2]") and "at collective 1" in message
+    assert "ranks [0, 1] issue forward: all_gather of blocks.0" in message
+    assert "ranks [2] issue forward: all_gather of blocks.1" in message
+    shorter = str(first_difference([a, a[:1]], rank=0))
+    assert "at collective 1" in shorter and "ranks [1] issue (nothing: its step ends)" in shorter

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Optional
 
 import torch.distributed as dist
@@ -19,22 +20,40 @@ from fxzero.runtime.comm.shm import ShmComm, shared_memory_unavailable
 __all__ = ["Comm", "LocalComm", "Pending", "ShmComm", "Traffic", "make_comm"]
 
 
-def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto") -> Comm:
-    """The Comm for this process: the default process group if there is one, else a world of one.
+_GROUPS: dict[float, dist.ProcessGroup] = {}
+"""Collective timeout in seconds -> fxzero's group over the default process group's ranks."""
+
+
+def _group(timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:
+    """A group of every rank whose collectives give up after `timeout_s` (the default group's
+    timeout is the launcher's choice, 30 minutes for gloo); None: the default group."""
+    if timeout_s is None:
+        return None
+    if timeout_s not in _GROUPS:
+        _GROUPS[timeout_s] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    return _GROUPS[timeout_s]
+
+
+def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto",
+              timeout_s: Optional[float] = None) -> Comm:
+    """The Comm for this process: the default process group's ranks if there is one, else a
+    world of one.
 
     `transport` (see `Config.transport`): "auto" moves the data of collectives on CPU buffers
     through shared memory when every rank runs on this host with gloo (`fxzero.runtime.shm`),
-    "shared_memory" insists on it, "process_group" always uses torch.distributed. Collective:
-    every rank calls it.
+    "shared_memory" insists on it, "process_group" always uses torch.distributed. `timeout_s`
+    (`Config.collective_timeout`): how long any collective waits for the other ranks before it
+    is an error. Collective: every rank calls it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return LocalComm(link=link)
-    comm = Comm(link=link)
+    group = _group(timeout_s)
+    comm = Comm(group, link=link)
     if transport == "process_group":
         return comm
     why = shared_memory_unavailable(comm)
     if why is None:
-        return ShmComm(link=link)
+        return ShmComm(group, link=link, timeout_s=timeout_s)
     if transport == "shared_memory":
         raise ValueError(f"[rank {comm.rank}] Config(transport='shared_memory') needs every rank on one host "
                          f"with gloo and room in /dev/shm, but {why}; use transport='auto' (falls back to the "

@@ -31,6 +31,7 @@ collectives in the same order (the static schedule does).
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import mmap
 import os
 import socket
@@ -125,9 +126,11 @@ class _Transport:
     """The segments, the barrier group, the worker and the step counter, shared by every
     `ShmComm` over one process group (engines come and go; collectives stay in issue order)."""
 
-    def __init__(self, comm: Comm, chunk_bytes: int) -> None:
+    def __init__(self, comm: Comm, chunk_bytes: int, timeout_s: Optional[float] = None) -> None:
         self.rank, self.world_size, self.chunk_bytes = comm.rank, comm.world_size, chunk_bytes
-        self.sync = dist.new_group(backend="gloo")  # barriers only, off the data group
+        # Barriers only, off the data group; they give up after the collective timeout.
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        self.sync = dist.new_group(backend="gloo", **timeout)
         token = comm.all_gather_object(uuid.uuid4().hex)[0]
         paths = [os.path.join(SHM_DIR, f"fxzero-{token}-{r}") for r in range(self.world_size)]
         nbytes = 2 * self.world_size * chunk_bytes
@@ -213,11 +216,11 @@ class ShmComm(Comm):
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, link: Optional[LinkEmulation] = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, timeout_s: Optional[float] = None) -> None:
         super().__init__(group, link)
         key = (group or dist.group.WORLD, chunk_bytes)
         if key not in _TRANSPORTS:
-            _TRANSPORTS[key] = _Transport(self, chunk_bytes)
+            _TRANSPORTS[key] = _Transport(self, chunk_bytes, timeout_s)
         self._transport = _TRANSPORTS[key]
 
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor):
