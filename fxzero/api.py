@@ -27,6 +27,7 @@ from fxzero.config.batch import BatchSizes
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
 from fxzero.config.notices import print_once
 from fxzero.runtime.comm import make_comm
+from fxzero.trace import DataDependentControlFlow
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
 from fxzero.runtime.lr_schedules import build_scheduler
@@ -118,7 +119,7 @@ def compile(
     state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, store=store)
     if config.mixed_precision is not None:
         _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
-    compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model)
+    compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model, comm.rank)
     engine = Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
                     optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
     if config.lr_schedule is not None:  # stepped by the engine after each optimizer step
@@ -157,5 +158,8 @@ def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
             state.params[layout.name] = values[lo:hi].clone()
 
 
-def _compile_for(model, config, world_size, layouts, cost_model, inputs):
-    return compile_program(model, inputs, config, world_size=world_size, layouts=layouts, cost_model=cost_model)
+def _compile_for(model, config, world_size, layouts, cost_model, rank, inputs):
+    try:
+        return compile_program(model, inputs, config, world_size=world_size, layouts=layouts, cost_model=cost_model)
+    except DataDependentControlFlow as e:
+        raise DataDependentControlFlow(e.where).with_rank(rank) from e.__cause__

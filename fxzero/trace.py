@@ -23,6 +23,8 @@ and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described 
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -30,7 +32,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxzero._compat import FakeTensorMode, get_decompositions, make_fx, pytree
+from fxzero._compat import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    GuardOnDataDependentSymNode,
+    get_decompositions,
+    make_fx,
+    pytree,
+)
 from fxzero.ir.signature import JointSignature
 
 __all__ = ["TracedJoint", "trace_joint"]
@@ -63,6 +72,47 @@ def _check_model(model: nn.Module) -> None:
                     f"{attr!r}; fxzero traces parameters and buffers only: register it with "
                     f"register_buffer({attr!r}, ...)"
                 )
+
+
+class DataDependentControlFlow(ValueError):
+    """The forward reads a tensor's value in Python (`if h.sum() > 0:`, `.item()`, `.tolist()`)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"the forward reads a tensor's value in Python at {where}: fxzero traces the model once into one static "
+            "program on fake tensors, which have shapes but no values, so a Python branch (or loop) on a value "
+            "cannot be traced. Move the decision out of the forward (compute it before calling the engine and pass "
+            "it as an input, or a Python constant), or express it as tensor operations (torch.where) or torch.cond")
+        self.where = where
+
+    def with_rank(self, rank: int) -> "DataDependentControlFlow":
+        """The same error, as a rank at run time says it (`[rank N] ...`)."""
+        self.args = (f"[rank {rank}] {self.args[0]}",)
+        return self
+
+
+@contextlib.contextmanager
+def _explains_data_dependence():
+    try:
+        yield
+    except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
+        raise DataDependentControlFlow(_users_line(e.__traceback__)) from e
+
+
+def _users_line(tb) -> str:
+    """The innermost frame of the traceback outside torch and fxzero: the model's own line."""
+    import linecache
+    import os
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    where = "an unknown line"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(skip) and "<" not in code.co_filename:
+            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            where = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name} (`{line}`)"
+        tb = tb.tb_next
+    return where
 
 
 def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
@@ -113,7 +163,7 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
     # Everything runs under the fake mode, so tensors the forward creates itself
     # (torch.arange for positions, masks) are fake too.
     fp, fb, fi = fresh_args()
-    with mode, torch.enable_grad():
+    with mode, torch.enable_grad(), _explains_data_dependence():
         out_flat, out_spec = pytree.tree_flatten(forward(fp, fb, fi))
     for i, o in enumerate(out_flat):
         if not isinstance(o, torch.Tensor):
@@ -137,7 +187,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
     with mode:
-        gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
+        with _explains_data_dependence():
+            gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
         detached = [t.detach() for t in flat_args]
         gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
 

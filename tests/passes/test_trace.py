@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import fxzero
 from fxzero.trace import trace_joint
 from tests.passes.toys import META, build, example_inputs, kind, meta_of, output_args, placeholders, traced
 
@@ -152,3 +153,28 @@ def test_bad_inputs_raise_type_error():
         trace_joint(model, [[1.0, 2.0]])
     with pytest.raises(TypeError, match="input 0 requires grad"):
         trace_joint(model, [torch.zeros(2, 4, requires_grad=True)])
+
+
+class _BranchOnValue(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        if h.sum() > 0:  # the line the error names
+            h = h * 2
+        return self.layers[1](h)
+
+
+@pytest.mark.timeout(60)
+def test_a_branch_on_a_tensor_value_is_explained_naming_the_models_line():
+    from fxzero.trace import DataDependentControlFlow
+
+    engine = fxzero.compile(_BranchOnValue(), fxzero.Config(cost_model=None))
+    with pytest.raises(DataDependentControlFlow) as info:
+        engine(torch.randn(2, 4))
+    message = str(info.value)
+    assert message.startswith("[rank 0] the forward reads a tensor's value in Python at ")
+    assert f"{__file__}:" in message and "(`if h.sum() > 0:  # the line the error names`)" in message
+    assert "torch.cond" in message and "one static program" in message
