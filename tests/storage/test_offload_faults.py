@@ -171,3 +171,46 @@ def test_checkpoint_on_disk_materializes_into_the_tier(tmp_path):
     for key, want in eager.state_dict().items():
         assert torch.equal(got[key], want), key
     engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_ranks_nvme_folder_is_removed_at_the_next_start(tmp_path):
+    """kill -9 leaves the rank's folder; the next engine on that disk removes it, and only it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, sys, torch, fxzero
+        from fxzero import zoo
+        engine = fxzero.compile(zoo.build("gpt-tiny"), fxzero.Config(cost_model=None,
+            offload=fxzero.Offload(optimizer=fxzero.Nvme(path={str(tmp_path)!r}))))
+        x = torch.randint(0, 96, (2, 16))
+        engine.backward(engine(x).sum()); engine.step()
+        print("ready", flush=True)
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        (left,) = os.listdir(tmp_path)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert os.listdir(tmp_path) == [left]  # killed: nothing removed it
+    from fxzero.runtime.storage.offload_store import _host
+
+    alive = tmp_path / f"fxzero-rank3-{os.getpid()}"  # this test's own process: alive, never removed
+    alive.mkdir()
+    (alive / "owner.json").write_text(json.dumps({"host": _host(), "pid": os.getpid()}))
+    foreign = tmp_path / "fxzero-rank1-1"
+    foreign.mkdir()
+    (foreign / "owner.json").write_text(json.dumps({"host": "another-host/boot", "pid": 1}))
+    with pytest.warns(UserWarning, match=rf"removed .*{left} \(\d+ bytes\): the offloaded states of process "
+                                         rf"{proc.pid}, which is no longer running"):
+        engine, _ = _engine(_nvme_config(tmp_path))
+    kept = sorted(os.listdir(tmp_path))
+    assert left not in kept and alive.name in kept and foreign.name in kept  # only the dead local one
+    engine.close()

@@ -6,6 +6,13 @@
 placement gets its own directory for this rank, `<path>/fxzero-rank<N>-<pid>`, created here and
 removed by `close()`.
 
+[Note: stale rank directories]
+A process killed before `close()` (kill -9, a crash, the OOM killer) leaves its directory
+behind. Each directory holds an `owner.json` (host and boot, pid); when a rank creates its own,
+it first removes those whose owner is this host and a process that no longer runs, and warns
+naming each with its size. Directories of other hosts (a shared file system), of live processes
+or without an owner file are left alone.
+
 [Note: space is checked before training]
 Before anything is written, `reserve` asks each tier whether this rank's states fit (with the
 NVMe file headers and padding), counting every rank of this machine that shares the disk: a full
@@ -14,8 +21,12 @@ disk is an error naming the bytes needed at start-up, never a failed write mid-s
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import socket
+import warnings
 import weakref
 from typing import Optional
 
@@ -48,15 +59,65 @@ def _nvme_dir(placement: Nvme, rank: int) -> str:
             f"[rank {rank}] Nvme(path={placement.path!r}) is not writable by this user; fix its "
             "permissions or choose another directory"
         )
+    _remove_stale_dirs(placement.path, rank)
     path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=False)
+        with open(os.path.join(path, _OWNER), "w") as f:
+            json.dump({"host": _host(), "pid": os.getpid()}, f)
     except OSError as e:
         raise ValueError(
             f"[rank {rank}] Nvme(path={placement.path!r}): cannot create this rank's directory there "
             f"({e.strerror or e}); choose a writable directory on the fast disk"
         ) from e
     return path
+
+
+_OWNER = "owner.json"
+_RANK_DIR = re.compile(r"fxzero-rank\d+-\d+")
+
+
+def _host() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _remove_stale_dirs(root: str, rank: int) -> None:
+    """[Note: stale rank directories] Remove the rank directories under `root` that a process
+    which died without closing its engine (kill -9, a crash) left behind: those whose owner file
+    names this host (this boot) and a process that no longer runs. A directory of another host
+    (a shared file system) or of a live process is never touched."""
+    here = _host()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not _RANK_DIR.fullmatch(name) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, _OWNER)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue  # not ours to judge (being created now, or from an older fxzero)
+        if owner.get("host") != here or _alive(int(owner.get("pid", -1))):
+            continue
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        shutil.rmtree(path, ignore_errors=True)
+        warnings.warn(f"[rank {rank}] removed {path} ({size} bytes): the offloaded states of process "
+                      f"{owner['pid']}, which is no longer running (killed before engine.close())",
+                      stacklevel=4)
 
 
 def _close_all(tiers: list[StorageTier], dirs: list[str]) -> None:
