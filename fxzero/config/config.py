@@ -81,6 +81,11 @@ class Config:
     triple checked against the world size when the engine starts (`fxzero/config/batch.py`)."""
     train_micro_batch_size_per_gpu: Optional[int] = None
     """Samples per rank per forward: the batch `fxzero.initialize`'s dataloader yields."""
+    nonfinite: Literal["error", "skip"] = "error"
+    """What a step whose loss is not finite on some rank does (bfloat16, fp32; float16's
+    overflowing gradients always skip, and back off the loss scale): "error" raises on every
+    rank naming the step and the first unit whose gradient is not finite; "skip" warns so and
+    skips the update on every rank (counted in `engine.skipped_steps`)."""
     gradient_clipping: Optional[float] = None
     """Clip the gradient's global norm (over all ranks' shards) to this before each update, as
     torch.nn.utils.clip_grad_norm_ (DeepSpeed's gradient_clipping); None: no clipping."""
@@ -146,6 +151,8 @@ class Config:
         if self.gradient_accumulation not in ("sharded", "local"):
             raise ValueError(f"Config.gradient_accumulation must be \"sharded\" or \"local\", got "
                              f"{self.gradient_accumulation!r}")
+        if self.nonfinite not in ("error", "skip"):
+            raise ValueError(f"Config.nonfinite must be \"error\" or \"skip\", got {self.nonfinite!r}")
         if self.steps_per_print is not None and not (isinstance(self.steps_per_print, int) and self.steps_per_print >= 1):
             raise ValueError(f"Config.steps_per_print must be an int >= 1 (or None: no log line), got "
                              f"{self.steps_per_print!r}")

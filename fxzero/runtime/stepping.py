@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -41,6 +42,7 @@ class StepControl:
         self.batch = batch
         self.accumulation = batch.gradient_accumulation_steps
         self.clip = config.gradient_clipping
+        self.on_nonfinite = config.nonfinite
         self.scaler = LossScaler(mp.loss_scale) if mp is not None and mp.loss_scale is not None else None
         self.flags = GradientFlags()
         """float16: what the backward's gradient checks found since the last boundary."""
@@ -91,7 +93,12 @@ class StepControl:
         if self.scaler is None:
             pending, self._loss_flags = self._loss_flags, []
             if any(self._wait(p, "the loss-finiteness flag").item() > 0 for p, _ in pending):
-                raise self.nonfinite_error("the loss is not finite on some rank", layouts)
+                error = self.nonfinite_error("the loss is not finite on some rank", layouts)
+                if self.on_nonfinite == "error":
+                    raise error
+                warnings.warn(f"{error.args[0].split('; ')[0]}; the step is skipped on every rank "
+                              "(Config(nonfinite=\"skip\"))", stacklevel=4)
+                return False
         else:
             # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
             bad, self._first_bad = self.flags.nonfinite, self.flags.first

@@ -151,3 +151,45 @@ def test_a_step_collective_that_waits_too_long_names_what_it_agrees_on():
     assert got["error"].startswith("[rank 0] a collective timed out in step 1's agreement (the loss-finiteness "
                                    "flag"), got
     assert 3 <= got["seconds"] < 9
+
+
+def _nan_on_one_rank(rank: int, world_size: int):
+    import warnings
+
+    state, batches = _problem()
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny")
+    cfg = fxzero.Config(stage=3, optimizer=fxzero.AdamW(**ADAMW), cost_model=None, nonfinite="skip")
+    engine = fxzero.compile(model, cfg, state_dict=state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in enumerate(batches):
+            loss = lm_loss(engine(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4])
+            if step == 1 and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+    full = engine.full_state_dict()
+    return {"skipped": engine.skipped_steps, "steps": engine.global_steps,
+            "warnings": [str(w.message) for w in caught if "skipped on every rank" in str(w.message)],
+            "state_dict": {k: v.clone() for k, v in full.items()}}
+
+
+def test_a_nonfinite_loss_skips_the_step_on_every_rank_when_asked():
+    """Config(nonfinite="skip"): rank 1's NaN loss at step 2 skips that update everywhere; the
+    other steps train as eager AdamW on the batches that were not skipped."""
+    ranks = run_ranks(_nan_on_one_rank, 2, timeout_s=240)
+    state, batches = _problem()
+    model = zoo.build("gpt-tiny")
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for step, (x, y) in enumerate(batches):
+        if step != 1:
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for rank, got in enumerate(ranks):
+        assert (got["skipped"], got["steps"]) == (1, len(ROWS))
+        assert len(got["warnings"]) == 1 and got["warnings"][0].startswith(
+            f"[rank {rank}] step 2: the loss is not finite on some rank"), got["warnings"]
+    assert_state_close(ranks[0]["state_dict"], clone_state_dict(model), "skipped NaN step")
