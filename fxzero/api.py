@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from fxzero import cost
 from fxzero.compiler import compile_program, plan_layouts
-from fxzero.config import Config
+from fxzero.config import Config, Nvme
 from fxzero.config.batch import resolve_batch
 from fxzero.config.batch import BatchSizes
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
@@ -34,7 +34,7 @@ from fxzero.runtime.lr_schedules import build_scheduler
 from fxzero.runtime.materialize import broadcast_initial_values, materialize
 from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
-from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers
+from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers, ranks_per_host
 from fxzero.units import persistence_differences, persistent_units
 
 __all__ = ["compile"]
@@ -106,7 +106,10 @@ def compile(
     store: Optional[OffloadStore] = None
     spilled: frozenset[str] = frozenset()  # units whose parameter shards live on a tier
     if config.offload.tiers():
-        store = OffloadStore(config.offload, comm.rank, config.optimizer)
+        on_disk = any(isinstance(p, Nvme) for p in (config.offload.params, config.offload.optimizer,
+                                                     config.offload.grads) if p is not None)
+        local = ranks_per_host(comm) if on_disk and comm.world_size > 1 else None  # (they share its disk)
+        store = OffloadStore(config.offload, comm.rank, config.optimizer, local_ranks=local)
         mp = config.mixed_precision
         store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.param_dtype if mp is not None else None,
                                      config.optimizer))

@@ -193,3 +193,20 @@ def test_a_nonfinite_loss_skips_the_step_on_every_rank_when_asked():
         assert len(got["warnings"]) == 1 and got["warnings"][0].startswith(
             f"[rank {rank}] step 2: the loss is not finite on some rank"), got["warnings"]
     assert_state_close(ranks[0]["state_dict"], clone_state_dict(model), "skipped NaN step")
+
+
+def _nvme_ranks(rank: int, world_size: int, path: str):
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # as each of two torchrun "nodes" of one rank on one host says
+    engine = fxzero.compile(zoo.build("gpt-tiny"), fxzero.Config(
+        cost_model=None, offload=fxzero.Offload(optimizer=fxzero.Nvme(path=path))))
+    counted = engine.store.local_ranks
+    engine.close()
+    return counted
+
+
+def test_ranks_sharing_a_disk_are_counted_by_host_not_by_the_launchers_local_world(tmp_path):
+    """The NVMe space check reserves room for every rank of this machine: two ranks on one host
+    whose launchers each say LOCAL_WORLD_SIZE=1 still share the disk."""
+    assert run_ranks(_nvme_ranks, 2, str(tmp_path), timeout_s=120) == [2, 2]

@@ -40,12 +40,19 @@ from fxzero.runtime.storage.nvme import NvmeTier
 from fxzero.runtime.storage.tier import Pending, StorageTier
 from fxzero.runtime.storage.write_behind import WriteBehind
 
-__all__ = ["OffloadStore", "bytes_on_tiers"]
+__all__ = ["OffloadStore", "bytes_on_tiers", "ranks_per_host"]
 
 
 def _local_ranks() -> int:
-    """Ranks of this job on this machine (they share its disks)."""
+    """Ranks of this job on this machine (they share its disks), as the launcher says."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def ranks_per_host(comm) -> int:
+    """Ranks of `comm` on this rank's machine (this boot), counted: two torchrun "nodes" on one
+    host each set a LOCAL_WORLD_SIZE of their own, and both share the disk. Collective."""
+    hosts = comm.all_gather_object(_host())
+    return sum(h == hosts[comm.rank] for h in hosts)
 
 
 def _nvme_dir(placement: Nvme, rank: int) -> str:
@@ -137,8 +144,12 @@ class OffloadStore:
             and read as its `initial_value` until first written.
     """
 
-    def __init__(self, offload: Offload, rank: int, optimizer: OptimizerPolicy = AdamW()) -> None:
+    def __init__(self, offload: Offload, rank: int, optimizer: OptimizerPolicy = AdamW(),
+                 local_ranks: Optional[int] = None) -> None:
         self.rank = rank
+        self.local_ranks = local_ranks if local_ranks is not None else _local_ranks()
+        """Ranks sharing this machine's disks (`ranks_per_host`; the launcher's LOCAL_WORLD_SIZE
+        where not counted)."""
         self.offload = offload
         self.optimizer = optimizer
         self._tiers: dict[Placement, StorageTier] = {}
@@ -184,7 +195,7 @@ class OffloadStore:
                 need[placement] = need.get(placement, 0) + nbytes
         for placement, nbytes in need.items():
             tier = self._tiers[placement]
-            total = nbytes * _local_ranks() if isinstance(placement, Nvme) else nbytes
+            total = nbytes * self.local_ranks if isinstance(placement, Nvme) else nbytes
             try:
                 tier.reserve(total)
             except ValueError as e:
@@ -192,7 +203,7 @@ class OffloadStore:
                 where = placement.path if isinstance(placement, Nvme) else "host memory"
                 raise ValueError(
                     f"[rank {self.rank}] not enough room for the offloaded model states in {where}: "
-                    f"{total} bytes needed for {_local_ranks()} rank(s) on this machine. {e}"
+                    f"{total} bytes needed for {self.local_ranks} rank(s) on this machine. {e}"
                 ) from None
 
     @staticmethod
