@@ -93,12 +93,7 @@ class StepControl:
         if self.scaler is None:
             pending, self._loss_flags = self._loss_flags, []
             if any(self._wait(p, "the loss-finiteness flag").item() > 0 for p, _ in pending):
-                error = self.nonfinite_error("the loss is not finite on some rank", layouts)
-                if self.on_nonfinite == "error":
-                    raise error
-                warnings.warn(f"{error.args[0].split('; ')[0]}; the step is skipped on every rank "
-                              "(Config(nonfinite=\"skip\"))", stacklevel=4)
-                return False
+                return self._nonfinite("the loss is not finite on some rank", layouts)
         else:
             # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
             bad, self._first_bad = self.flags.nonfinite, self.flags.first
@@ -114,11 +109,24 @@ class StepControl:
                 return False
             self.multiplier = 1.0 / scale
         self.grad_norm = self._global_norm()
+        if self.grad_norm is not None and not math.isfinite(self.grad_norm):
+            # The norm's all-reduce is the flag reduced with the gradients: every rank sees it.
+            return self._nonfinite("a gradient is not finite on some rank (its loss is)", layouts)
         if self.clip is not None:
             assert self.grad_norm is not None, "Config refuses gradient_clipping with step_in_backward"
             coefficient = self.clip / (self.grad_norm + 1e-6)
             self.multiplier *= min(coefficient, 1.0)
         return True
+
+    def _nonfinite(self, what: str, layouts) -> bool:
+        """A step that must not update: an error on every rank, or (Config(nonfinite="skip")) a
+        warning and False (skip)."""
+        error = self.nonfinite_error(what, layouts)
+        if self.on_nonfinite == "error":
+            raise error
+        warnings.warn(f"{error.args[0].split('; ')[0]}; the step is skipped on every rank (Config(nonfinite=\"skip\"))",
+                      stacklevel=5)
+        return False
 
     def _global_norm(self) -> Optional[float]:
         """The norm of the whole (unscaled) gradient, [Note: clipping from shards]: shards in

@@ -164,34 +164,50 @@ def _nan_on_one_rank(rank: int, world_size: int):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, (x, y) in enumerate(batches):
-            loss = lm_loss(engine(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4])
+            logits = engine(x[4 * rank : 4 * rank + 4])
+            loss = lm_loss(logits, y[4 * rank : 4 * rank + 4])
             if step == 1 and rank == 1:
                 loss = loss * float("nan")
+            if step == 2 and rank == 0:  # a finite loss (+ 0) whose gradient is NaN: d sqrt(x) / dx at 0
+                loss = loss + (logits * 0).sum().sqrt()
             engine.backward(loss)
             engine.step()
     full = engine.full_state_dict()
-    return {"skipped": engine.skipped_steps, "steps": engine.global_steps,
-            "warnings": [str(w.message) for w in caught if "skipped on every rank" in str(w.message)],
-            "state_dict": {k: v.clone() for k, v in full.items()}}
+    out = {"skipped": engine.skipped_steps, "steps": engine.global_steps,
+           "warnings": [str(w.message) for w in caught if "skipped on every rank" in str(w.message)],
+           "state_dict": {k: v.clone() for k, v in full.items()}}
+    engine = fxzero.compile(zoo.build("gpt-tiny"), fxzero.Config(stage=3, cost_model=None))  # nonfinite="error"
+    logits = engine(batches[0][0][4 * rank : 4 * rank + 4])
+    loss = lm_loss(logits, batches[0][1][4 * rank : 4 * rank + 4]) + (logits * 0).sum().sqrt() * (rank == 1)
+    engine.backward(loss)
+    try:
+        engine.step()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
 
 
 def test_a_nonfinite_loss_skips_the_step_on_every_rank_when_asked():
-    """Config(nonfinite="skip"): rank 1's NaN loss at step 2 skips that update everywhere; the
-    other steps train as eager AdamW on the batches that were not skipped."""
+    """Config(nonfinite="skip"): rank 1's NaN loss at step 2 and rank 0's NaN gradient (from a
+    finite loss) at step 3 skip those updates everywhere; the other steps train as eager AdamW on
+    the batches that were not skipped. Without "skip", the NaN gradient is an error on every rank."""
     ranks = run_ranks(_nan_on_one_rank, 2, timeout_s=240)
     state, batches = _problem()
     model = zoo.build("gpt-tiny")
     model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     for step, (x, y) in enumerate(batches):
-        if step != 1:
+        if step not in (1, 2):
             lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
     for rank, got in enumerate(ranks):
-        assert (got["skipped"], got["steps"]) == (1, len(ROWS))
-        assert len(got["warnings"]) == 1 and got["warnings"][0].startswith(
-            f"[rank {rank}] step 2: the loss is not finite on some rank"), got["warnings"]
+        assert (got["skipped"], got["steps"]) == (2, len(ROWS))
+        assert len(got["warnings"]) == 2, got["warnings"]
+        assert got["warnings"][0].startswith(f"[rank {rank}] step 2: the loss is not finite on some rank")
+        assert got["warnings"][1].startswith(f"[rank {rank}] step 3: a gradient is not finite on some rank")
+        assert got["error"].startswith(f"[rank {rank}] step 1: a gradient is not finite on some rank"), got["error"]
     assert_state_close(ranks[0]["state_dict"], clone_state_dict(model), "skipped NaN step")
 
 
