@@ -167,4 +167,5 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         loader = ShardedDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                                    rank=engine.rank, world_size=engine.world_size, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last, seed=cfg.seed)
+        engine.training_dataloader = loader  # (its position is saved in checkpoints)
     return engine, engine.optimizer, loader, scheduler

@@ -25,6 +25,7 @@ from fxzero._compat import pytree
 from fxzero.config import Config
 from fxzero.config.batch import BatchSizes
 from fxzero.ir.instruction import Instruction
+from fxzero.runtime import checkpoint
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
@@ -97,6 +98,9 @@ class Engine:
         self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         """Where the model's inputs go (`inputs.to(engine.device)`)."""
         self._log = StepLog(config.steps_per_print, self.rank)
+        self.training_dataloader: Any = None
+        """The loader `fxzero.initialize` built (its position is saved in checkpoints), or None."""
+        self._failed_load: Optional[str] = None
 
     # -- programs --------------------------------------------------------------------------
 
@@ -173,6 +177,9 @@ class Engine:
     # -- forward / backward ----------------------------------------------------------------
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self._failed_load is not None:
+            raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
+                               "build a new engine (fxzero.compile) and load a good checkpoint")
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"[rank {self.rank}] input {i} is a {type(x).__name__}; pass tensors")
@@ -383,6 +390,27 @@ class Engine:
     def timeline(self) -> list:
         """The instructions run since recording started: `Timed(program, index, start, end)`."""
         return list(self._record or [])
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> str:
+        """Save the whole training state under `save_dir/tag` (DeepSpeed's call; tag defaults to
+        "global_step<N>"): every rank's parameter and optimizer shards, the step counters, loss
+        scaler, LR schedule, RNG states, data loader position and `client_state`, in
+        torch.distributed.checkpoint's format; `save_dir/latest` names it once it is complete.
+        A collective: every rank calls it, at an accumulation boundary. Returns its directory.
+        See `fxzero/runtime/checkpoint/`."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
+        """Load what `save_checkpoint` saved, on any world size and stage: `(path, client_state)`,
+        or `(None, None)` with a warning when `load_dir` has no `latest` and no tag is given.
+        A collective: every rank calls it."""
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and this rank's buffers, keyed like `model.state_dict()`.

@@ -1,0 +1,367 @@
+"""`engine.save_checkpoint`: every rank writes its shards, rank 0 the index and the manifest,
+committed by renames ([Note: a checkpoint is committed by renames] in files.py).
+
+In order, with one object all-gather between phases (so a rank that fails tells the others,
+and a rank that died ends them within Config.collective_timeout, never a hang):
+
+1. each rank checks the disk has room for the whole checkpoint; rank 0 names the temporary
+   directory `<tag>.tmp-<nonce>` and removes those a killed save left behind;
+2. each rank writes its chunks (`__<rank>_0.distcp`) and its own state (`rank<rank>_state.pt`),
+   unit by unit: a unit's shards on a tier are read one at a time, never all of them at once;
+3. rank 0 writes `.metadata`, `engine_state.pt` and `fxzero.json`, renames the directory to
+   `<tag>` (a previous checkpoint of the same tag is moved aside first, then removed), and
+   replaces `latest`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import uuid
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+
+from fxzero.runtime.checkpoint import format as fmt
+from fxzero.runtime.checkpoint.chunks import box_range, flat_boxes
+from fxzero.runtime.checkpoint.files import CheckpointError, ChecksumWriter, fsync_dir, replace_file, space_error
+
+__all__ = ["save_checkpoint"]
+
+_TMP = ".tmp-"
+_OLD = ".old-"
+
+
+def _agree(comm, obj: Any, phase: str, tag: str) -> list:
+    """Every rank's `obj`; a rank that never arrives is an error naming the phase."""
+    try:
+        return comm.all_gather_object(obj)
+    except Exception as e:
+        raise CheckpointError(f"[rank {comm.rank}] saving checkpoint {tag!r}: the other ranks did not reach {phase} "
+                              f"within Config.collective_timeout (a rank died or failed there); nothing was "
+                              f"committed, `latest` still names the previous checkpoint. {e}") from e
+
+
+def _raise_first(statuses: list, rank: int, failure: Optional[BaseException] = None) -> None:
+    """Raise the first rank's error on every rank (this rank's own unexpected exception as itself)."""
+    if failure is not None and not isinstance(failure, (CheckpointError, OSError)):
+        raise failure
+    for r, status in enumerate(statuses):
+        if status.get("error"):
+            raise CheckpointError(status["error"] if r == rank else f"[rank {rank}] rank {r} failed: {status['error']}")
+
+
+class _Chunks:
+    """One rank's data file: tensors cut into boxes, each a torch.save blob, and where each went."""
+
+    def __init__(self, path: str, relpath: str) -> None:
+        self.writer = ChecksumWriter(path)
+        self.relpath = relpath
+        self.written: list[tuple] = []  # (key, offsets, sizes, offset, length, checksum)
+
+    def tensor(self, key: str, shape: tuple, flat: torch.Tensor, start: int) -> None:
+        """Elements [start, start + flat.numel()) of the tensor `key` of `shape`."""
+        for offsets, sizes in flat_boxes(shape, start, start + flat.numel()):
+            lo, hi = box_range(shape, offsets, sizes)
+            piece = flat[lo - start : hi - start].clone().view(sizes)  # (a clone: torch.save writes whole storages)
+            self._blob(key, offsets, sizes, _saved(piece))
+
+    def bytes(self, key: str, obj: Any) -> None:
+        self._blob(key, None, None, _saved(obj))
+
+    def _blob(self, key, offsets, sizes, blob) -> None:
+        offset, length, checksum = self.writer.append(blob)
+        self.written.append((key, offsets, sizes, offset, length, checksum))
+
+
+def _saved(obj: Any) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()
+
+
+def _needed_bytes(engine) -> int:
+    """About what the checkpoint takes on disk: every rank's shards of parameters and states."""
+    states = len(engine.optimizer.policy.states)
+    mine = sum(lay.shard_numel * lay.itemsize * (1 + (states if lay.trainable else 0)) for lay in engine.layouts)
+    return mine * engine.world_size + sum(b.numel() * b.element_size() for b in engine.state.buffers.values())
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True) -> str:
+    """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
+    rank, comm = engine.rank, engine.comm
+    control = engine.control
+    if control.micro_steps % control.accumulation or engine.state.grads or engine._unreduced:
+        raise CheckpointError(
+            f"[rank {rank}] save_checkpoint with gradients not yet applied (micro-step "
+            f"{control.micro_steps % control.accumulation} of an accumulation of {control.accumulation}) would lose "
+            "them: a checkpoint holds no gradients, so save after the engine.step() that updates")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if os.sep in tag or tag in ("", ".", "..") or tag == fmt.LATEST or _TMP in tag or _OLD in tag:
+        raise CheckpointError(f"[rank {rank}] checkpoint tag {tag!r}: a tag names one directory in save_dir "
+                              f"(no '/', not {fmt.LATEST!r}, not containing {_TMP!r} or {_OLD!r})")
+    engine.state.settle_grads()
+    if engine.store is not None:
+        engine.store.drain()
+
+    # 1. room, and the temporary directory's name
+    status: dict[str, Any] = {}
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        need, free = _needed_bytes(engine), shutil.disk_usage(save_dir).free
+        if free < need:
+            raise CheckpointError(f"[rank {rank}] not enough room in {save_dir} for checkpoint {tag!r}: about {need} "
+                                  f"bytes needed, {free} free; free space or save elsewhere (nothing was written)")
+        if rank == 0:
+            _remove_leftovers(save_dir)
+            status["tmp"] = os.path.join(save_dir, f"{tag}{_TMP}{uuid.uuid4().hex[:8]}")
+            os.makedirs(status["tmp"])
+    except Exception as e:
+        status["error"] = str(e) if isinstance(e, CheckpointError) else f"[rank {rank}] {save_dir}: {e}"
+    statuses = _agree(comm, status, "the start of the save", tag)
+    _raise_first(statuses, rank)
+    tmp = statuses[0]["tmp"]
+
+    # 2. this rank's files
+    status, failure = {}, None
+    chunks = None
+    try:
+        chunks = _write_rank(engine, tmp)
+        status = {"file": chunks.relpath, "size": chunks.writer.size, "checksum": chunks.writer.checksum,
+                  "written": chunks.written, "rank_file": _write_rank_state(engine, tmp)}
+    except Exception as e:
+        if chunks is not None:
+            chunks.writer.abort()
+        status, failure = {"error": _write_error(e, rank, save_dir, tag)}, e
+    statuses = _agree(comm, status, "the end of writing their shards", tag)
+    if any(s.get("error") for s in statuses):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _raise_first(statuses, rank, failure)
+
+    # 3. rank 0 commits
+    status, failure = {}, None
+    final = os.path.join(save_dir, tag)
+    if rank == 0:
+        try:
+            _commit(engine, tmp, final, tag, statuses, client_state, save_latest)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            status, failure = {"error": _write_error(e, rank, save_dir, tag)}, e
+    _raise_first(_agree(comm, status, "the commit", tag), rank, failure)
+    return final
+
+
+def _write_error(e: BaseException, rank: int, save_dir: str, tag: str) -> str:
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if space_error(e):
+        return (f"[rank {rank}] the disk holding {save_dir} filled while writing checkpoint {tag!r} ({e}); nothing "
+                "was committed: `latest` still names the previous checkpoint, which is intact. Free space and save "
+                "again")
+    return f"[rank {rank}] writing checkpoint {tag!r} in {save_dir} failed ({type(e).__name__}: {e}); nothing was " \
+           "committed: `latest` still names the previous checkpoint"
+
+
+def _remove_leftovers(save_dir: str) -> None:
+    """Temporary directories of saves that never committed (a rank killed while saving)."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if _TMP in name and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            warnings.warn(f"removed {path}: an uncommitted checkpoint (a save was interrupted)", stacklevel=4)
+
+
+# -- what each rank writes -----------------------------------------------------------------------
+
+def _master_shard(engine, layout) -> torch.Tensor:
+    """This rank's fp32 parameter shard of `layout` (read from its tier when it lives on one)."""
+    state = engine.state
+    if layout.name in state.offloaded_params:
+        return state.store.get("param", layout.name)
+    values = state.params[layout.name]
+    if state.master_is_whole(layout.name):
+        lo, hi = layout.shard_range(engine.rank)
+        return values[lo:hi]
+    return values
+
+
+def _state_shard(engine, layout, kind: str) -> torch.Tensor:
+    """This rank's shard of optimizer state `kind` (its initial value before the first update)."""
+    state, policy = engine.state, engine.optimizer.policy
+    if state.store is not None and state.store.offloaded(kind):
+        return state.store.fetch(kind, layout.name, layout.shard_numel, layout.dtype).wait()
+    held = state.optimizer_states.get(layout.name, {}).get(kind)
+    return held if held is not None else torch.full((layout.shard_numel,), policy.initial_value(kind),
+                                                    dtype=layout.dtype)
+
+
+def _per_slot(layout, rank: int, shard: torch.Tensor, write: Callable[[str, tuple, torch.Tensor, int], None]) -> None:
+    lo, hi = layout.shard_range(rank)
+    for slot in layout.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            write(slot.fqn, slot.shape, shard[a - lo : b - lo], a - slot.offset)
+
+
+@torch.no_grad()
+def _write_rank(engine, tmp: str) -> _Chunks:
+    rank, policy = engine.rank, engine.optimizer.policy
+    relpath = fmt.data_file(rank)
+    chunks = _Chunks(os.path.join(tmp, relpath), relpath)
+    for layout in engine.layouts:  # one unit's shards in memory at a time
+        _per_slot(layout, rank, _master_shard(engine, layout),
+                  lambda fqn, shape, flat, start: chunks.tensor(fmt.param_key(fqn), shape, flat, start))
+        if not layout.trainable:
+            continue
+        for kind in policy.states:
+            _per_slot(layout, rank, _state_shard(engine, layout, kind),
+                      lambda fqn, shape, flat, start: chunks.tensor(fmt.state_key(fqn, kind), shape, flat, start))
+    if rank == 0:
+        persistent = set(engine.module.state_dict(keep_vars=True))
+        for fqn, value in engine.state.buffers.items():
+            if fqn in persistent:
+                chunks.tensor(fmt.param_key(fqn), tuple(value.shape), value.reshape(-1), 0)
+        for layout in engine.layouts:
+            if layout.trainable:
+                step = torch.tensor(float(engine.state.steps.get(layout.name, 0)))
+                for slot in layout.slots:
+                    chunks.tensor(fmt.state_key(slot.fqn, "step"), (), step.reshape(1), 0)
+        chunks.bytes(fmt.PARAM_GROUPS, _param_groups(engine))
+    chunks.writer.close()
+    return chunks
+
+
+def _param_groups(engine) -> list[dict]:
+    """The optimizer's groups as torch's FQN-keyed optimizer state dicts list them."""
+    members: dict[int, list[str]] = {}
+    for layout in engine.layouts:
+        for slot in layout.slots:
+            if layout.trainable:
+                members.setdefault(engine._group_of.get(slot.fqn, 0), []).append(slot.fqn)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": members.get(i, [])}
+            for i, g in enumerate(engine.optimizer.param_groups)]
+
+
+def _rng_states() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        out["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return out
+
+
+def _write_rank_state(engine, tmp: str) -> dict[str, Any]:
+    loader = getattr(engine, "training_dataloader", None)
+    state = {"rng": _rng_states(), "dataloader": loader.state_dict() if loader is not None else None}
+    relpath = fmt.rank_file(engine.rank)
+    writer = ChecksumWriter(os.path.join(tmp, relpath))
+    writer.append(_saved(state))
+    writer.close()
+    return {"file": relpath, "size": writer.size, "checksum": writer.checksum}
+
+
+# -- what rank 0 commits -------------------------------------------------------------------------
+
+def _metadata(engine, statuses: list, path: str) -> Metadata:
+    shapes: dict[str, tuple[tuple, torch.dtype, str]] = {}  # key -> (shape, dtype, fqn)
+    for layout in engine.layouts:
+        for slot in layout.slots:
+            shapes[fmt.param_key(slot.fqn)] = (slot.shape, layout.dtype, slot.fqn)
+            if layout.trainable:
+                for kind in engine.optimizer.policy.states:
+                    shapes[fmt.state_key(slot.fqn, kind)] = (slot.shape, layout.dtype, slot.fqn)
+                shapes[fmt.state_key(slot.fqn, "step")] = ((), torch.float32, slot.fqn)
+    for fqn, value in engine.state.buffers.items():
+        shapes[fmt.param_key(fqn)] = (tuple(value.shape), value.dtype, fqn)
+    boxes: dict[str, list[ChunkStorageMetadata]] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for status in statuses:
+        for key, offsets, sizes, offset, length, _ in status["written"]:
+            info = _StorageInfo(status["file"], offset, length)
+            if offsets is None:
+                storage[MetadataIndex(key)] = info
+                continue
+            boxes.setdefault(key, []).append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(key, torch.Size(offsets))] = info
+    tensors: dict[str, Any] = {
+        key: TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), boxes[key])
+        for key, (shape, dtype, _) in shapes.items() if key in boxes
+    }
+    tensors[fmt.PARAM_GROUPS] = BytesStorageMetadata()
+    planner = {key: fmt.planner_path(key, fqn) for key, (_, _, fqn) in shapes.items() if key in boxes}
+    planner[fmt.PARAM_GROUPS] = fmt.planner_path(fmt.PARAM_GROUPS, "")
+    return Metadata(tensors, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=path, save_id=uuid.uuid4().hex), version=CURRENT_DCP_VERSION)
+
+
+def _engine_state(engine, client_state: Optional[dict]) -> dict[str, Any]:
+    control = engine.control
+    scaler = control.scaler
+    scheduler = control.lr_scheduler
+    return {
+        "global_steps": control.global_steps, "micro_steps": control.micro_steps,
+        "skipped_steps": control.skipped_steps, "grad_norm": control.grad_norm,
+        "scaler": {k: v for k, v in vars(scaler).items() if k != "policy"} if scaler is not None else None,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "client_state": client_state if client_state is not None else {},
+    }
+
+
+def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state, save_latest: bool) -> None:
+    files: dict[str, dict] = {}
+    chunk_sums: dict[str, str] = {}
+    for status in statuses:
+        files[status["file"]] = {"bytes": status["size"], "xxh3": status["checksum"]}
+        rank_file = status["rank_file"]
+        files[rank_file["file"]] = {"bytes": rank_file["size"], "xxh3": rank_file["checksum"]}
+        for *_, offset, _, checksum in status["written"]:
+            chunk_sums[f"{status['file']}@{offset}"] = checksum
+    for name, blob in ((fmt.ENGINE, _saved(_engine_state(engine, client_state))),
+                       (fmt.METADATA, pickle.dumps(_metadata(engine, statuses, final)))):
+        writer = ChecksumWriter(os.path.join(tmp, name))
+        writer.append(blob)
+        writer.close()
+        files[name] = {"bytes": writer.size, "xxh3": writer.checksum}
+    config, mp = engine.config, engine.config.mixed_precision
+    tensors = fmt.model_tensors(engine.module)
+    manifest = {
+        "format": fmt.FORMAT, "version": fmt.VERSION, "tag": tag, "torch": torch.__version__,
+        "world_size": engine.world_size, "stage": config.stage,
+        "optimizer": type(engine.optimizer.policy).__name__, "states": list(engine.optimizer.policy.states),
+        "mixed_precision": str(mp.param_dtype).removeprefix("torch.") if mp is not None else None,
+        "global_steps": engine.global_steps,
+        "model_class": f"{type(engine.module).__module__}.{type(engine.module).__qualname__}",
+        "hf_config": fmt.hf_config(engine.module),
+        "fingerprint": fmt.fingerprint(tensors), "tensors": tensors,
+        "units": [layout.to_json() for layout in engine.layouts],
+        "files": files, "chunks": chunk_sums,
+    }
+    replace_file(os.path.join(tmp, fmt.MANIFEST), json.dumps(manifest, indent=1, default=str).encode())
+    fsync_dir(tmp)
+    save_dir = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):  # the same tag again: the previous one moves aside until the new one is in
+        old = f"{final}{_OLD}{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        replace_file(os.path.join(save_dir, fmt.LATEST), tag.encode())
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
