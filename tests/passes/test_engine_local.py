@@ -151,3 +151,19 @@ def test_a_gradient_dropped_by_zero_grad_never_reaches_the_step(stage):
     assert any(i.kind == "wait" for i in step.instructions), "the step waits for a gradient in flight"
     a, b = engines[0].full_state_dict(), engines[1].full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(60)
+def test_calls_out_of_order_are_errors_naming_the_call_to_make():
+    engine = fxzero.compile(build("mlp"), fxzero.Config(cost_model=None))
+    x = real_input("mlp", seed=0)
+    with pytest.raises(RuntimeError, match=r"^\[rank 0\] step\(\) before any forward/backward"):
+        engine.step()
+    loss = _loss(engine(x))
+    with pytest.raises(RuntimeError, match=r"^\[rank 0\] step\(\) found no gradient for units .*: call "
+                                           r"engine.backward\(loss\) after the forward and before step\(\)"):
+        engine.step()
+    with pytest.raises(TypeError, match=r"^\[rank 0\] engine.backward expects a loss tensor .*under no_grad"):
+        engine.backward(loss.detach())
+    engine.backward(loss)
+    engine.step()  # in order, the same engine trains

@@ -3,11 +3,13 @@
 One process (a world of one): nvme_path missing, not writable, or on a disk too small for the
 states is a ValueError from `fxzero.compile` naming the path and the bytes; a state file
 truncated, changed or deleted underneath is an IOError at its next read naming the key and the
-file, raised before any value from it reaches the model.
+file, raised before any value from it reaches the model. A disk that fills during training is a
+DiskFull error at the failed write's next wait, and the state it lost is never read as zeros.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -122,6 +124,44 @@ def test_with_write_behind_a_changed_file_is_caught_at_its_next_read_from_disk(t
             _train_step(engine, inputs)
     assert engine.store.report()["nvme"]["write_behind_hits"] > 0
     engine.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the file a write goes to in /proc/self/fd")
+@pytest.mark.parametrize("write_behind_bytes", [0, 64 << 20], ids=["direct_writes", "write_behind"])
+def test_disk_full_mid_training_is_an_error_and_never_a_zeroed_state(tmp_path, monkeypatch, write_behind_bytes):
+    """The disk fills after the start-up check: writing exp_avg/blocks.3 fails with ENOSPC in an
+    I/O worker. step() raises DiskFull naming the path, key, bytes and the way out; once the space is
+    back, the lost moment is still an error, never read back as zeros or as its old value."""
+    from fxzero.runtime.storage.nvme import DiskFull
+
+    config = fxzero.Config(cost_model=None, offload=fxzero.Offload(
+        optimizer=fxzero.Nvme(path=str(tmp_path), write_behind_bytes=write_behind_bytes)))
+    engine, inputs = _engine(config)
+    _train_step(engine, inputs)
+    real = os.pwrite
+
+    def pwrite(fd, buf, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("exp_avg%2Fblocks.3.fxz"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(DiskFull) as info:
+        _train_step(engine, inputs)
+        engine.store.drain()  # with write-behind the error may come at the next store call
+    msg = str(info.value)
+    assert re.fullmatch(r"\[rank 0\] NvmeTier '.*fxzero-rank0-\d+': the disk is full \(No space left on device\): "
+                        r"writing key 'exp_avg/blocks.3' \(50432 bytes, 57344 on disk\) failed, and \d+ bytes are "
+                        r"free there now .*Free space on that filesystem, or point Nvme\(path=\.\.\.\) at a disk "
+                        r"with room, and restart from the last checkpoint", msg), msg
+    monkeypatch.undo()  # the space is back
+    stepped = engine.state.steps["blocks.3"]
+    with pytest.raises(OSError, match=r"\[rank 0\] NvmeTier .*'exp_avg/blocks.3'"):
+        _train_step(engine, inputs)
+    assert engine.state.steps["blocks.3"] == stepped  # it never stepped on a zeroed moment
+    engine.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_close_removes_files(tmp_path):

@@ -3,6 +3,7 @@
 import errno
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -304,7 +305,7 @@ def test_staging_buffers_are_aligned():
     assert buf.tensor.data_ptr() % ALIGN == 0 and len(buf.view) == 8192
 
 
-def test_failed_write_forgets_the_key(tmp_path):
+def test_a_key_whose_write_failed_reads_as_an_error(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
     with NvmeTier(d, direct=False) as tier:
@@ -312,8 +313,71 @@ def test_failed_write_forgets_the_key(tmp_path):
         shutil.rmtree(d)  # the disk went away underneath
         with pytest.raises(FileNotFoundError):
             tier.write("k", torch.zeros(10)).wait()
-        with pytest.raises(KeyError, match="no key 'k'"):
+        # Neither the old value nor "never written" (which the store answers with zeros).
+        assert "k" in tier
+        with pytest.raises(IOError, match=r"\[rank 0\] NvmeTier key 'k', .*its last write failed \(FileNotFoundError"):
             tier.read("k")
+
+
+def _full_disk_after(monkeypatch, calls: int, gate=None) -> None:
+    """os.pwrite succeeds `calls` times, then fails as a full disk does (after `gate` is set)."""
+    real, left = os.pwrite, [calls]
+
+    def pwrite(fd, buf, offset):
+        if left[0] > 0:
+            left[0] -= 1
+            return real(fd, buf, offset)
+        if gate is not None:
+            assert gate.wait(10)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [False, "auto"])
+def test_disk_full_mid_write_is_a_clear_error_at_its_wait(tmp_path, monkeypatch, direct):
+    """ENOSPC in an I/O worker, after the first block went to disk: DiskFull at the write's wait,
+    naming the path, key and bytes and the way out; the old value is never read back."""
+    with NvmeTier(tmp_path, threads=2, block_bytes=8192, direct=direct) as tier:
+        key = "exp_avg/blocks.3"
+        tier.write(key, torch.ones(5000)).wait()
+        tier.write("exp_avg/blocks.2", torch.full((10,), 2.0)).wait()
+        _full_disk_after(monkeypatch, calls=1)
+        pending = tier.write(key, torch.zeros(5000))  # 20000 bytes: three 8192-byte blocks
+        with pytest.raises(nvme_module.DiskFull) as info:
+            pending.wait()
+        msg = str(info.value)
+        assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+        assert msg.startswith(f"[rank 0] NvmeTier {tier.path!r}: the disk is full (No space left on device): "
+                              f"writing key 'exp_avg/blocks.3' (20000 bytes, 24576 on disk) failed"), msg
+        assert "Free space on that filesystem, or point Nvme(path=...) at a disk with room" in msg, msg
+        monkeypatch.undo()  # space freed: the lost value stays an error until rewritten
+        lost = r"NvmeTier key 'exp_avg/blocks.3', .*its last write failed \(the disk was full\).*refusing"
+        assert key in tier
+        for _ in range(2):
+            with pytest.raises(IOError, match=lost):
+                tier.read(key)
+        assert torch.equal(tier.read("exp_avg/blocks.2").wait(), torch.full((10,), 2.0))  # others untouched
+        tier.write(key, torch.full((5000,), 3.0)).wait()
+        assert torch.equal(tier.read(key).wait(), torch.full((5000,), 3.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_read_queued_behind_a_write_that_finds_the_disk_full_fails_too(tmp_path, monkeypatch):
+    with NvmeTier(tmp_path, threads=2, block_bytes=8192, direct=False) as tier:
+        tier.write("k", torch.ones(100)).wait()
+        gate = threading.Event()
+        _full_disk_after(monkeypatch, calls=0, gate=gate)
+        write = tier.write("k", torch.zeros(100))
+        read = tier.read("k")  # issued while the write runs: it waits for it ([Note: ordering per key])
+        gate.set()
+        with pytest.raises(nvme_module.DiskFull, match="writing key 'k' \\(400 bytes"):
+            write.wait()
+        with pytest.raises(IOError, match="its last write failed"):
+            read.wait()
+        tier.delete("k")  # a lost key can still be deleted
+        assert "k" not in tier and not os.path.exists(tier.file("k"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -79,3 +79,10 @@ def test_a_failed_write_is_raised_not_lost(tmp_path, monkeypatch):
         assert torch.equal(behind.lookup("param/u"), torch.ones(10))
         with pytest.raises(OSError, match="disk failed writing param/u"):
             behind.write("exp_avg/u", torch.ones(10))
+        # Raising it does not drop it: the next calls raise again (no step goes on without it).
+        for _ in range(2):
+            with pytest.raises(OSError, match="disk failed writing param/u"):
+                behind.reclaim()
+        with pytest.raises(OSError, match="disk failed writing param/u"):
+            behind.drain()
+        assert "param/u" in behind

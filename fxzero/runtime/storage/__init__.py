@@ -11,7 +11,7 @@
 
 from fxzero.runtime.storage.aligned import ALIGN, aligned_empty
 from fxzero.runtime.storage.memory import CpuTier, DeviceTier
-from fxzero.runtime.storage.nvme import NvmeTier
+from fxzero.runtime.storage.nvme import DiskFull, NvmeTier
 from fxzero.runtime.storage.tier import Pending, StorageTier
 
-__all__ = ["ALIGN", "CpuTier", "DeviceTier", "NvmeTier", "Pending", "StorageTier", "aligned_empty"]
+__all__ = ["ALIGN", "CpuTier", "DeviceTier", "DiskFull", "NvmeTier", "Pending", "StorageTier", "aligned_empty"]

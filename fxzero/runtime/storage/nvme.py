@@ -14,11 +14,20 @@ be used, until the `Pending` has been waited on.
 [Note: ordering per key]
 Operations on one key run in the order they were issued: each task first waits for the previous
 task on the same key. Operations on different keys run concurrently, up to `threads` at a time.
+
+[Note: a failed write]
+A write that fails (the disk filled after the start-up check, `reserve`; the disk failed) raises
+at its `Pending.wait()`: a full disk (ENOSPC, EDQUOT) as `DiskFull`, naming the tier's path, the
+key, the bytes and the way out. The file was truncated when the write began, so the key holds no
+value any more: until a later write of it succeeds, the key is still "in" the tier but every read
+of it raises, naming the failed write. It never reads as older data, nor as missing (which
+`OffloadStore.fetch` would take for a state not written yet, and answer with its initial value).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import queue
 import shutil
@@ -34,7 +43,18 @@ from fxzero.runtime.storage.aligned import ALIGN, Staging, aligned_buffer, align
 from fxzero.runtime.storage.io_pool import IoPool
 from fxzero.runtime.storage.tier import Pending, Record, StorageTier, rank_prefix
 
-__all__ = ["NvmeTier"]
+__all__ = ["DiskFull", "NvmeTier"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""errnos of a write refused for want of room: the disk is full, or this user's quota on it."""
+
+
+class DiskFull(OSError):
+    """A write refused because the disk under an `NvmeTier` is full (`errno` is ENOSPC or EDQUOT);
+    see [Note: a failed write]. `str()` is the whole message, without the "[Errno 28]" prefix."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class NvmeTier(StorageTier):
@@ -71,6 +91,7 @@ class NvmeTier(StorageTier):
             self._staging.put(aligned_buffer(block_bytes))
         self._pool = IoPool(threads, "fxzero-nvme")
         self._last: dict[str, concurrent.futures.Future] = {}  # see [Note: ordering per key]
+        self._failed: dict[str, str] = {}  # key -> why its last write failed ([Note: a failed write])
 
     # -- checks before use -------------------------------------------------------------------
 
@@ -133,6 +154,19 @@ class NvmeTier(StorageTier):
         """The file that holds `key` (see [Note: NVMe file layout])."""
         return os.path.join(self.path, nvme_format.file_name(key))
 
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index or key in self._failed  # a failed key is lost, not absent
+
+    def _record(self, key: str) -> Record:
+        with self._lock:
+            why = self._failed.get(key)
+        if why is not None:
+            raise IOError(f"{rank_prefix()} NvmeTier key {key!r}, file {self.file(key)!r}: its last write "
+                          f"failed ({why}), so the tier holds no valid value for it; refusing to return "
+                          f"older data. Restart from the last checkpoint")
+        return super()._record(key)
+
     def _open(self, path: str, flags: int) -> int:
         if self.direct:
             flags |= os.O_DIRECT
@@ -174,11 +208,29 @@ class NvmeTier(StorageTier):
     def _write(self, key: str, src: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         try:
             return self._write_file(key, src, tensor)
-        except BaseException:
-            # The file no longer holds the old value: forget the key rather than fail its reads later.
+        except BaseException as e:
+            # The file no longer holds the old value: its reads must fail ([Note: a failed write]).
+            full = isinstance(e, OSError) and e.errno in _FULL
+            error = self._disk_full(key, src, e) if full else e
             with self._lock:
                 self._index.pop(key, None)
-            raise
+                self._failed[key] = "the disk was full" if full else f"{type(e).__name__}: {e}"
+            if error is e:
+                raise
+            raise error from e
+
+    def _disk_full(self, key: str, src: torch.Tensor, e: OSError) -> DiskFull:
+        nbytes = src.numel() * src.element_size()
+        try:
+            free = f"{shutil.disk_usage(self.path).free} bytes are free there now"
+        except OSError:
+            free = "its free space cannot be read"
+        return DiskFull(e.errno, (
+            f"{rank_prefix()} NvmeTier {self.path!r}: the disk is full ({os.strerror(e.errno)}): writing key "
+            f"{key!r} ({nbytes} bytes, {nvme_format.file_size(nbytes)} on disk) failed, and {free} (another "
+            f"process may have filled it since the start-up check). Free space on that filesystem, or point "
+            f"Nvme(path=...) at a disk with room, and restart from the last checkpoint"
+        ), self.file(key))
 
     def _write_file(self, key: str, src: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -218,6 +270,7 @@ class NvmeTier(StorageTier):
             self._staging.put(stage)
         with self._lock:
             self._index[key] = Record(src.dtype, tensor.shape, nbytes, checksum)
+            self._failed.pop(key, None)
         self._count("write", nbytes, time.perf_counter() - start)
         return tensor
 
@@ -235,7 +288,7 @@ class NvmeTier(StorageTier):
         with self._lock:
             known = key in self._index or key in self._last
         if not known:
-            self._record(key)  # raises the KeyError
+            self._record(key)  # raises: never written (KeyError), or its last write failed
         if out is not None and not out.is_contiguous():
             raise ValueError(f"read({key!r}, out=...): out must be contiguous")
         return Pending(self._submit(key, self._read, key, out, read=True), None)
@@ -313,9 +366,12 @@ class NvmeTier(StorageTier):
             before = self._last.pop(key, None)
         if before is not None:
             concurrent.futures.wait([before])
-        self._record(key)
         with self._lock:
-            del self._index[key]
+            failed = self._failed.pop(key, None) is not None
+        if not failed:
+            self._record(key)
+            with self._lock:
+                del self._index[key]
         try:
             os.unlink(self.file(key))
         except FileNotFoundError:

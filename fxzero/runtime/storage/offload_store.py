@@ -16,7 +16,11 @@ or without an owner file are left alone.
 [Note: space is checked before training]
 Before anything is written, `reserve` asks each tier whether this rank's states fit (with the
 NVMe file headers and padding), counting every rank of this machine that shares the disk: a full
-disk is an error naming the bytes needed at start-up, never a failed write mid-step.
+disk is an error naming the bytes needed at start-up, not a failed write mid-step. A disk that
+something else fills later fails a write mid-step all the same: that is a `DiskFull` error at the
+write's next wait (or, with write-behind, at the next fetch, write or drain), naming the path,
+the key and its bytes, and the key then reads as an error, never as older data or as zeros
+(storage: [Note: a failed write]).
 """
 
 from __future__ import annotations

@@ -88,15 +88,15 @@ class WriteBehind:
         return copy.buffer
 
     def reclaim(self) -> None:
-        """Drop copies whose writes have finished (raising a write's error), but keep unread
-        parameter shards."""
+        """Drop copies whose writes have finished, but keep unread parameter shards; a failed
+        write's error is raised, its copy kept (so the next call raises it again)."""
         for copy in [c for c in self._retired if c.write.done()]:
-            self._retired.remove(copy)
             self._free(copy)
+            self._retired.remove(copy)
         for key, copy in list(self._copies.items()):
             if copy.write.done() and (copy.read or not copy.keep_until_read):
-                del self._copies[key]
                 self._free(copy)
+                del self._copies[key]
 
     def drain(self) -> None:
         """Wait for every write in flight (raising the first error); copies stay readable."""
@@ -105,6 +105,7 @@ class WriteBehind:
         self.reclaim()
 
     def _free(self, copy: _Copy) -> None:
+        # Called before the copy is dropped: a failed write raises here and its copy stays.
         copy.write.wait()  # done: returns at once, or raises the write's error
         self._spare.append(copy.buffer)
 
@@ -131,8 +132,8 @@ class WriteBehind:
             if fits():
                 break
             if copy.write.done():
-                del self._copies[key]
                 self._free(copy)
+                del self._copies[key]
                 drop_other_spares()
         return fits()
 
