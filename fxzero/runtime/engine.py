@@ -412,6 +412,13 @@ class Engine:
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> Optional[str]:
+        """The model in its compute dtype as one file on rank 0 (DeepSpeed's call): gathered one
+        unit at a time; ".safetensors" streams, any other name is one torch.save of the dict. A
+        collective. Returns the path on rank 0, None elsewhere. See `checkpoint/export.py`."""
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and this rank's buffers, keyed like `model.state_dict()`.
 

@@ -68,28 +68,27 @@ def _train(engine, loader, steps: int) -> list[float]:
 
 
 def _first_runs(rank: int, world_size: int, root: str):
+    """10 steps of each configuration, saved after the 5th (a save reads and never perturbs)."""
     out = {}
     for kind in ("fp32", "nvme", "bf16"):
         engine, loader = _engine(world_size, kind, os.path.join(root, "nvme"))
-        if kind != "nvme":  # (NVMe computes what the device does: its resume is held to the fp32 run)
-            out[f"{kind}/continuous"] = _train(engine, loader, STEPS)
-            engine, loader = _engine(world_size, kind)
         out[f"{kind}/first"] = _train(engine, loader, SPLIT)
         torch.manual_seed(100 + rank)
         torch.rand(3)  # (a generator state of this rank's own, to be restored)
         out[f"{kind}/rng"] = torch.get_rng_state()
         engine.save_checkpoint(os.path.join(root, kind), client_state={"note": kind, "rank": rank})
+        if kind != "nvme":  # (NVMe computes what the device does: its resume is held to the fp32 run)
+            out[f"{kind}/continuous"] = out[f"{kind}/first"] + _train(engine, loader, STEPS - SPLIT)
         engine.close()
     return out
 
 
 def _four_ranks(rank: int, world_size: int, root: str):
     engine, loader = _engine(world_size, "fp32")
-    path, client = engine.load_checkpoint(os.path.join(root, "fp32"))
-    resumed = _train(engine, loader, STEPS - SPLIT)
-    engine, loader = _engine(world_size, "fp32")
     first = _train(engine, loader, SPLIT)
     engine.save_checkpoint(os.path.join(root, "four"))
+    path, client = engine.load_checkpoint(os.path.join(root, "fp32"))  # (one engine loads another's state whole)
+    resumed = _train(engine, loader, STEPS - SPLIT)
     return {"resumed": resumed, "first": first, "client": client, "path": path}
 
 
@@ -126,16 +125,17 @@ def _killed_save(rank: int, world_size: int, save_dir: str, point: str):
 
 
 def _resumes(rank: int, world_size: int, root: str, dirs: list[str]):
+    """Fresh processes: each configuration's engine loads its checkpoints in turn and trains on."""
     out = {}
-    for name in ("fp32", "nvme", "bf16", "stage1", "four", *dirs):
-        kind = {"four": "fp32", "stage1": "stage1"}.get(name, name if name in ("nvme", "bf16") else "fp32")
+    for kind, names in (("fp32", ("fp32", "four", *dirs)), ("nvme", ("nvme",)), ("bf16", ("bf16",)),
+                        ("stage1", ("stage1",))):
         engine, loader = _engine(world_size, kind, os.path.join(root, "nvme"))
-        source = os.path.join(root, "fp32" if name == "stage1" else name)
-        path, client = engine.load_checkpoint(source)
-        out[f"{name}/rng"] = torch.get_rng_state()
-        out[f"{name}/client"] = client
-        out[f"{name}/path"] = os.path.basename(path)
-        out[name] = _train(engine, loader, STEPS - SPLIT)
+        for name in names:
+            path, client = engine.load_checkpoint(os.path.join(root, "fp32" if name == "stage1" else name))
+            out[f"{name}/rng"] = torch.get_rng_state()
+            out[f"{name}/client"] = client
+            out[f"{name}/path"] = os.path.basename(path)
+            out[name] = _train(engine, loader, STEPS - SPLIT)
         engine.close()
     return out
 
