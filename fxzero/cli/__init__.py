@@ -5,6 +5,7 @@
     fxzero schedule DIR|MODEL          the instruction stream, a Chrome trace, a memory plot
     fxzero estimate --params N|MODEL   per-rank memory of model states by ZeRO stage
     fxzero train MODEL --ranks N       train on N local ranks (torchrun) and record the artifacts
+    fxzero export CKPT_DIR OUT         a checkpoint's model as one safetensors file (HF-loadable)
 
 The viewers only read recorded artifacts (`fxzero.artifacts`); options build `fxzero.Config`
 values and nothing else. A person's mistake ends in one line `Error: ...` and exit code 1.
@@ -16,6 +17,7 @@ import click
 
 from fxzero.cli.compile_cmd import compile_command
 from fxzero.cli.estimate_cmd import estimate_command
+from fxzero.cli.export_cmd import export_command
 from fxzero.cli.graph_cmd import graph_command
 from fxzero.cli.schedule_cmd import schedule_command
 from fxzero.cli.train_cmd import train_command
@@ -51,3 +53,4 @@ main.add_command(graph_command)
 main.add_command(schedule_command)
 main.add_command(estimate_command)
 main.add_command(train_command)
+main.add_command(export_command)

@@ -172,8 +172,11 @@ def test_resume_on_the_same_world_is_bit_identical(story):
 
 
 def test_resume_on_other_world_sizes_and_stages(story):
-    """2 -> 4 and 4 -> 2 ranks, stage 3 -> stage 1: within rtol 1e-5 of the uninterrupted run."""
+    """2 -> 4, 4 -> 2 and 2 -> 1 ranks, stage 3 -> stage 1: within rtol 1e-5 of the uninterrupted run."""
     reference = story["first"][0]["fp32/continuous"]
+    engine, loader = _engine(1, "fp32")  # a world of one, in this process
+    engine.load_checkpoint(os.path.join(story["root"], "fp32"))
+    assert_losses_close(story["first"][0]["fp32/first"] + _train(engine, loader, STEPS - SPLIT), reference, "2 -> 1")
     assert_losses_close(story["first"][0]["fp32/first"] + story["four"][0]["resumed"], reference, "2 -> 4 ranks")
     assert_losses_close(story["four"][0]["first"] + story["resumed"][0]["four"], reference, "4 -> 2 ranks")
     assert_losses_close(story["first"][0]["fp32/first"] + story["resumed"][0]["stage1"], reference, "stage 3 -> 1")

@@ -172,6 +172,10 @@ def test_leftovers_and_a_repeated_tag(saved, tmp_path):
         engine.save_checkpoint(save_dir, tag="global_step2")  # the same tag again: replaced whole
     assert sorted(os.listdir(save_dir)) == ["global_step2", "latest"]
     assert _engine().load_checkpoint(save_dir)[1] == {}
+    # Killed between moving the previous checkpoint of a tag aside and renaming the new one in:
+    # `latest` names the tag, and the one moved aside is what it resolves to.
+    os.rename(os.path.join(save_dir, "global_step2"), os.path.join(save_dir, "global_step2.old-0123abcd"))
+    assert _engine().load_checkpoint(save_dir)[0].endswith("global_step2.old-0123abcd")
 
 
 def test_save_between_boundaries_and_bad_tags_are_errors(tmp_path):

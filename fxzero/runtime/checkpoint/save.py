@@ -174,12 +174,17 @@ def _write_error(e: BaseException, rank: int, save_dir: str, tag: str) -> str:
 
 
 def _remove_leftovers(save_dir: str) -> None:
-    """Temporary directories of saves that never committed (a rank killed while saving)."""
+    """Temporary directories of saves that never committed (a rank killed while saving), and
+    checkpoints moved aside for a tag saved again whose new directory is in place."""
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
-        if _TMP in name and os.path.isdir(path):
+        if not os.path.isdir(path):
+            continue
+        if _TMP in name:
             shutil.rmtree(path, ignore_errors=True)
             warnings.warn(f"removed {path}: an uncommitted checkpoint (a save was interrupted)", stacklevel=4)
+        elif _OLD in name and os.path.isdir(os.path.join(save_dir, name.partition(_OLD)[0])):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- what each rank writes -----------------------------------------------------------------------
