@@ -51,10 +51,11 @@ def _engine(world_size: int, kind: str, nvme: str = ""):
     return engine, loader
 
 
-def _train(engine, loader, steps: int) -> list[float]:
-    """`steps` steps from the loader, each the mean over ranks of the ranks' losses."""
+def _train(engine, batches, steps: int) -> list[float]:
+    """`steps` steps from `batches` (the loader: a new pass; an iterator: where it is), each the
+    mean over ranks of the ranks' losses."""
     losses = []
-    it = iter(loader)
+    it = iter(batches)
     for _ in range(steps):
         (tokens,) = next(it)
         loss = torch.nn.functional.cross_entropy(engine(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -72,13 +73,14 @@ def _first_runs(rank: int, world_size: int, root: str):
     out = {}
     for kind in ("fp32", "nvme", "bf16"):
         engine, loader = _engine(world_size, kind, os.path.join(root, "nvme"))
-        out[f"{kind}/first"] = _train(engine, loader, SPLIT)
+        batches = iter(loader)
+        out[f"{kind}/first"] = _train(engine, batches, SPLIT)
         torch.manual_seed(100 + rank)
         torch.rand(3)  # (a generator state of this rank's own, to be restored)
         out[f"{kind}/rng"] = torch.get_rng_state()
         engine.save_checkpoint(os.path.join(root, kind), client_state={"note": kind, "rank": rank})
         if kind != "nvme":  # (NVMe computes what the device does: its resume is held to the fp32 run)
-            out[f"{kind}/continuous"] = out[f"{kind}/first"] + _train(engine, loader, STEPS - SPLIT)
+            out[f"{kind}/continuous"] = out[f"{kind}/first"] + _train(engine, batches, STEPS - SPLIT)
         engine.close()
     return out
 
