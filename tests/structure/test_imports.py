@@ -139,8 +139,20 @@ def test_the_graph_sees_the_imports_that_exist():
 _IMPORT_EACH = """
 import os, sys
 import torch  # paid once; every child imports fxzero from scratch
-failed = []
-for name in sys.argv[1:]:
+failed, running = [], {}
+names = sys.argv[1:]
+
+
+def reap():
+    pid, status = os.wait()
+    if status:
+        failed.append(running[pid])
+    del running[pid]
+
+
+for name in names:
+    if len(running) >= (os.cpu_count() or 1):  # a child per core at a time
+        reap()
     pid = os.fork()
     if pid == 0:
         try:
@@ -150,10 +162,10 @@ for name in sys.argv[1:]:
             sys.stderr.write(f"{name}: {type(e).__name__}: {e}\\n")
             os._exit(1)
         os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    if status:
-        failed.append(name)
-print(" ".join(failed))
+    running[pid] = name
+while running:
+    reap()
+print(" ".join(sorted(failed)))
 sys.exit(1 if failed else 0)
 """
 
