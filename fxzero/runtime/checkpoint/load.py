@@ -124,7 +124,7 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
         steps = {int(reader.read_tensor(fmt.state_key(s.fqn, "step"))) for s in layout.slots
                  if reader.has(fmt.state_key(s.fqn, "step"))}
         for kind in policy.states:
-            shard = _read_unit(reader, layout, lambda fqn: fmt.state_key(fqn, kind), lo, hi)
+            shard = _read_unit(reader, layout, lambda fqn, kind=kind: fmt.state_key(fqn, kind), lo, hi)
             if state.store is not None and state.store.offloaded(kind):
                 state.store.put(kind, unit, shard)
             else:

@@ -231,7 +231,7 @@ def _write_rank(engine, tmp: str) -> _Chunks:
             continue
         for kind in policy.states:
             _per_slot(layout, rank, _state_shard(engine, layout, kind),
-                      lambda fqn, shape, flat, start: chunks.tensor(fmt.state_key(fqn, kind), shape, flat, start))
+                      lambda fqn, shape, flat, start, kind=kind: chunks.tensor(fmt.state_key(fqn, kind), shape, flat, start))
     if rank == 0:
         persistent = set(engine.module.state_dict(keep_vars=True))
         for fqn, value in engine.state.buffers.items():
