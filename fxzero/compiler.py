@@ -8,7 +8,7 @@ the CLI both start from its result.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -55,8 +55,10 @@ def compile_program(
     world_size: int,
     layouts: list[UnitLayout] | None = None,
     cost_model=None,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> CompiledProgram:
-    """Trace `model` on inputs shaped like `example_inputs` and schedule it for `world_size` ranks.
+    """Trace `model(*example_inputs, **kwargs)` (tensors give shapes and dtypes; other arguments
+    are constants of the program) and schedule it for `world_size` ranks.
 
     Args:
         cost_model: a `fxzero.cost.CostModel` the passes use to choose how collectives run;
@@ -65,7 +67,7 @@ def compile_program(
     if layouts is None:
         layouts = plan_layouts(model, config, world_size, cost_model)
     mp = config.mixed_precision
-    traced = trace_joint(model, example_inputs, param_dtype=mp.param_dtype if mp is not None else None)
+    traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(

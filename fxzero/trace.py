@@ -24,9 +24,10 @@ and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,7 +41,7 @@ from fxzero._compat import (
     make_fx,
     pytree,
 )
-from fxzero.ir.signature import JointSignature
+from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 
 __all__ = ["TracedJoint", "trace_joint"]
 
@@ -115,29 +116,53 @@ def _users_line(tb) -> str:
     return where
 
 
-def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
+def _is_cache(x: Any) -> bool:
+    """A Hugging Face KV cache (`transformers.Cache`), which a training step cannot use."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__)
+
+
+def _constant(x: Any) -> bool:
+    return x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Optional[Mapping[str, Any]] = None,
                 param_dtype: Optional[torch.dtype] = None) -> TracedJoint:
-    """Trace the joint forward+backward graph of `model` on inputs shaped like `example_inputs`.
+    """Trace the joint forward+backward graph of `model` called as `model(*example_inputs, **kwargs)`.
+
+    The call's tensor leaves are the graph's inputs; its other leaves (bools, ints, strings,
+    None) are constants of this trace, so each structure and set of constants is its own program
+    (`fxzero.ir.signature`). Outputs may be any structure of tensors (tuples, dicts, dataclass
+    outputs such as transformers' `ModelOutput`): `JointSignature.out_spec` rebuilds it. An output
+    leaf that is a constant is returned as that constant; a KV cache (or any other object) is
+    dropped, returned as None, with a one-time warning naming it.
 
     Args:
         model: the module; its parameters and buffers may live on the meta device.
-        example_inputs: tensors (real, meta or fake) giving the inputs' shapes and dtypes.
+        example_inputs, kwargs: the call's arguments; tensors (real, meta or fake) give the
+            inputs' shapes and dtypes.
         param_dtype: trace with the floating point parameters in this dtype, and floating
             inputs cast to it in the graph (mixed precision); None: the model's own dtypes.
 
     Raises:
-        TypeError: for inputs that are not tensors or inputs that require grad.
+        TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
+            constants.
         ValueError: if the forward mutates a parameter or an input.
     """
     _check_model(model)
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
+    leaves, in_spec = flatten_call(example_inputs, kwargs)
+    tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(example_inputs), dict(kwargs or {})))[0]]
+    for i, x in enumerate(leaves):
+        where = argument_name(paths[i])
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                raise TypeError(f"input {where} requires grad; fxzero computes gradients for parameters only")
+        elif not _constant(x):
             raise TypeError(
-                f"input {i} is a {type(x).__name__}; fxzero traces tensor inputs only "
-                "(pass other arguments through the module's constructor)"
+                f"input {where} is a {type(x).__name__}; fxzero traces tensors and constants (bool, int, float, "
+                "str, None) only: pass other arguments through the module's constructor"
             )
-        if x.requires_grad:
-            raise TypeError(f"input {i} requires grad; fxzero computes gradients for parameters only")
+    example_tensors = [leaves[i] for i in tensor_at]
 
     params = dict(model.named_parameters(remove_duplicate=True))
     buffers = dict(model.named_buffers(remove_duplicate=True))
@@ -150,24 +175,41 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
         fp = [_fake_like(mode, p, p.requires_grad, param_dtype if p.is_floating_point() else None)
               for p in params.values()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
-        fx_ = [_fake_like(mode, x) for x in example_inputs]
+        fx_ = [_fake_like(mode, x) for x in example_tensors]
         return fp, fb, fx_
 
     def forward(fp: list, fb: list, fi: list) -> Any:
         if param_dtype is not None:  # the cast is a node of the graph, at the forward's start
             fi = [x.to(param_dtype) if x.is_floating_point() else x for x in fi]
+        call = list(leaves)
+        for i, x in zip(tensor_at, fi):
+            call[i] = x
+        args, kw = pytree.tree_unflatten(call, in_spec)
         state = {**dict(zip(param_fqns, fp)), **dict(zip(buffer_fqns, fb))}
-        return torch.func.functional_call(model, state, tuple(fi), strict=True)
+        return torch.func.functional_call(model, state, args, kw, strict=True)
+
+    def output_leaves(out: Any) -> tuple[list, Any]:
+        return pytree.tree_flatten(out, is_leaf=_is_cache)
 
     # A fake forward first, to learn the outputs' structure and which need a grad_output.
     # Everything runs under the fake mode, so tensors the forward creates itself
     # (torch.arange for positions, masks) are fake too.
     fp, fb, fi = fresh_args()
     with mode, torch.enable_grad(), _explains_data_dependence():
-        out_flat, out_spec = pytree.tree_flatten(forward(fp, fb, fi))
-    for i, o in enumerate(out_flat):
-        if not isinstance(o, torch.Tensor):
-            raise TypeError(f"model output {i} is a {type(o).__name__}; fxzero needs tensor outputs")
+        out_all, out_spec = output_leaves(forward(fp, fb, fi))
+    constants: dict[int, Any] = {}
+    dropped = []
+    out_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(list(range(len(out_all))), out_spec))[0]]
+    for i, o in enumerate(out_all):
+        if isinstance(o, torch.Tensor):
+            continue
+        constants[i] = o if _constant(o) else None
+        if not _constant(o):
+            dropped.append(f"output{out_paths[i]} (a {type(o).__name__})")
+    if dropped:
+        _warn_dropped(model, dropped)
+    out_flat = [o for o in out_all if isinstance(o, torch.Tensor)]
     differentiable = tuple(bool(o.requires_grad) for o in out_flat)
     with mode:
         grad_outputs = [torch.empty_like(o).detach() for o, d in zip(out_flat, differentiable) if d]
@@ -179,7 +221,7 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
         p, b = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
         x, g = list(flat[n_p + n_b : n_p + n_b + n_i]), list(flat[n_p + n_b + n_i :])
         with torch.enable_grad():
-            outs = pytree.tree_leaves(forward(p, b, x))
+            outs = [o for o in output_leaves(forward(p, b, x))[0] if isinstance(o, torch.Tensor)]
             diff_outs = [o for o, d in zip(outs, differentiable) if d]
             wrt = [t for t, f in zip(p, param_fqns) if f in trainable]
             grads = list(torch.autograd.grad(diff_outs, wrt, g, allow_unused=True)) if wrt and diff_outs else [None] * len(wrt)
@@ -192,6 +234,7 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
         detached = [t.detach() for t in flat_args]
         gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
 
+    _inline_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tags = (
         [{"kind": "param", "fqn": f} for f in param_fqns]
@@ -220,8 +263,57 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
         differentiable=differentiable,
         mutated_buffers=mutated,
         gradless_fqns=gradless,
+        constant_outputs=tuple(sorted(constants.items())),
     )
     return TracedJoint(gm, signature)
+
+
+_WARNED_DROPPED: set = set()
+
+
+def _warn_dropped(model: nn.Module, dropped: list[str]) -> None:
+    key = (type(model).__name__, tuple(dropped))
+    if key in _WARNED_DROPPED:
+        return
+    _WARNED_DROPPED.add(key)
+    warnings.warn(
+        f"{type(model).__name__} returns {', '.join(dropped)}, which a training step cannot use (a KV cache, or "
+        "another object); fxzero returns None in its place. For a Hugging Face model pass use_cache=False "
+        "(or set model.config.use_cache = False) to not build it", stacklevel=4)
+
+
+def _inline_constants(gm: fx.GraphModule) -> None:
+    """Replace the tensor constants the forward made from Python values (an empty KV cache's
+    `torch.tensor([])`, a `torch.tensor(-inf)`) by nodes that create them, so every program is
+    one graph of operators: `empty` for no elements, `full` for one value repeated.
+
+    Raises:
+        ValueError: for a constant holding several values (`torch.tensor([1., 2.])` in the
+            forward), naming its shape; register such a tensor as a buffer.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape, options = list(value.shape), {"dtype": value.dtype, "device": torch.device("cpu")}
+        flat = value.reshape(-1)
+        if flat.numel() and not bool((flat == flat[0]).all()):
+            raise ValueError(
+                f"the forward makes a constant tensor of shape {tuple(shape)} from Python data (torch.tensor([...]) "
+                "of several values); fxzero cannot shard or place it: register it with register_buffer in the "
+                "module's __init__ and read the buffer in forward"
+            )
+        with gm.graph.inserting_before(node):
+            if flat.numel() == 0:
+                made = gm.graph.call_function(torch.ops.aten.empty.memory_format, (shape,), options)
+            else:
+                made = gm.graph.call_function(torch.ops.aten.full.default, (shape, flat[0].item()), options)
+        made.meta = dict(node.meta)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
 
 
 def _buffer_mutations_to_outputs(gm: fx.GraphModule, n_out: int) -> tuple[str, ...]:

@@ -101,6 +101,11 @@ class Config:
     mixed_precision: Optional[MixedPrecision] = None
     """Compute and gather in bfloat16 or float16 with fp32 master shards (`fxzero.MixedPrecision`);
     None trains in the model's own dtype (fp32)."""
+    program_cache_size: int = 16
+    """Compiled programs an engine keeps: one per input structure, constants, shapes, module
+    modes, autocast and grad mode it was called with. Past it the least recently used program is
+    evicted (a warning says so: a workload cycling through more call signatures than this
+    recompiles)."""
     keep_host_memory: bool = False
     """On a machine without CUDA, keep freed host memory in the process instead of unmapping it
     (glibc; see fxzero/runtime/host_memory.py): the per-unit buffers then cost no page faults,
@@ -116,6 +121,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
+            raise ValueError(f"Config.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
         if not isinstance(self.units, UnitsPolicy):
             raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
         if not isinstance(self.optimizer, OptimizerPolicy):

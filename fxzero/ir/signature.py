@@ -1,12 +1,14 @@
-"""`JointSignature`: what the flat inputs and outputs of a traced joint graph mean."""
+"""`JointSignature`: what the flat inputs and outputs of a traced joint graph mean; how a call's
+arguments are flattened into them (`flatten_call`), shared by the tracer and the engine."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping, Optional, Sequence
 
 from fxzero._compat import pytree
 
-__all__ = ["JointSignature"]
+__all__ = ["JointSignature", "argument_name", "flatten_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,3 +31,28 @@ class JointSignature:
     gradless_fqns: tuple[str, ...] = ()
     """Trainable parameters the outputs do not depend on (autograd gives them no gradient);
     like torch.optim, the optimizer leaves them untouched."""
+    constant_outputs: tuple[tuple[int, Any], ...] = ()
+    """(position among `out_spec`'s leaves, value) of the output leaves that are not tensors:
+    constants the forward returned, or None where it returned an object a step cannot use (a
+    KV cache). The tensor outputs fill the other positions, in order."""
+
+    def rebuild_outputs(self, tensors: Sequence[Any]) -> Any:
+        """The model's outputs, as it returned them, from the flat tensor outputs."""
+        leaves = list(tensors)
+        for position, value in self.constant_outputs:
+            leaves.insert(position, value)
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def flatten_call(args: Sequence[Any], kwargs: Optional[Mapping[str, Any]] = None) -> tuple[list, Any]:
+    """The leaves of a call's arguments (positional and keyword, nested tuples, lists and dicts)
+    and their structure (`pytree`); a None argument is a leaf, a constant like a bool."""
+    return pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+
+
+def argument_name(path: tuple) -> str:
+    """The argument a leaf of `flatten_call` is, from its pytree path: "0" (the first positional
+    one), "attention_mask", "batch['ids'][1]"."""
+    positional, rest = path[0].idx == 0, path[1:]
+    head = str(rest[0].idx) if positional else rest[0].key
+    return head + pytree.keystr(rest[1:])

@@ -15,16 +15,18 @@ forward runs inside the autograd bridge ([Note: how the programs meet autograd] 
 
 from __future__ import annotations
 
+import collections
 import os
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
-from fxzero._compat import pytree
 from fxzero.config import Config
 from fxzero.config.batch import BatchSizes
 from fxzero.ir.instruction import Instruction
+from fxzero.ir.signature import flatten_call
 from fxzero.runtime import checkpoint
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
@@ -40,8 +42,8 @@ from fxzero.schedule.compiled import CompiledProgram
 
 __all__ = ["Engine", "Runners"]
 
-Compiler = Callable[[tuple[torch.Tensor, ...]], CompiledProgram]
-"""Compiles the program of one input signature (`fxzero.compiler.compile_program`, bound)."""
+Compiler = Callable[[tuple, dict], CompiledProgram]
+"""Compiles the program of one call, `(args, kwargs)` (`fxzero.compiler.compile_program`, bound)."""
 
 
 class Runners(NamedTuple):
@@ -82,7 +84,7 @@ class Engine:
         self._model = model
         self._compile = compiler
         self._layout = {lay.name: lay for lay in state.layouts}
-        self._cache: dict[Any, Runners] = {}
+        self._cache: collections.OrderedDict[Any, Runners] = collections.OrderedDict()  # (LRU, bounded)
         self._gathered = GatheredMemory()
         self._pool = BufferPool()  # per-unit buffers reused across units and steps (storage/pool.py)
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
@@ -104,21 +106,50 @@ class Engine:
 
     # -- programs --------------------------------------------------------------------------
 
-    def _runners_for(self, inputs: tuple[torch.Tensor, ...]) -> Runners:
-        key = (self._model.training, tuple((tuple(x.shape), x.dtype) for x in inputs))
-        if key not in self._cache:
-            compiled = self._compile(inputs)  # (on this rank alone: see _agree)
-            gradless = frozenset(compiled.signature.gradless_fqns)
-            update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
-            schedule, programs = compiled.schedule, compiled.programs
+    def _key(self, leaves: list, spec: Any) -> tuple:
+        """[Note: what a program is compiled for] One program per call structure (positional and
+        keyword arguments, nesting), constant arguments (bools, ints, None: they select code
+        paths), tensor shapes and dtypes, the training flag of every submodule (a submodule in
+        eval runs without dropout), and the autocast state (a program traced under autocast
+        computes in its dtype). The same call in another mode is another program."""
+        tensors, constants = [], []
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                tensors.append((tuple(x.shape), x.dtype))
+                continue
+            try:
+                hash(x)
+            except TypeError:
+                raise TypeError(f"[rank {self.rank}] input {i} is a {type(x).__name__}; pass tensors, or constants "
+                                "(bool, int, float, str, None)") from None
+            constants.append((i, type(x), x))
+        modes = tuple(m.training for m in self._model.modules())
+        autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+        return (str(spec), tuple(constants), tuple(tensors), modes, autocast)
 
-            def runner(name: str) -> ProgramRunner:
-                return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
-                                     self.store, update, pool=self._pool, flags=self.control.flags)
+    def _runners_for(self, args: tuple, kwargs: dict, leaves: list, spec: Any) -> Runners:
+        key = self._key(leaves, spec)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        compiled = self._compile(args, kwargs)  # (on this rank alone: see _agree)
+        gradless = frozenset(compiled.signature.gradless_fqns)
+        update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
+        schedule, programs = compiled.schedule, compiled.programs
 
-            sequence = collective_sequence(schedule)
-            self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
-                                       sequence_digest(sequence))
+        def runner(name: str) -> ProgramRunner:
+            return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
+                                 self.store, update, pool=self._pool, flags=self.control.flags)
+
+        sequence = collective_sequence(schedule)
+        self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
+                                   sequence_digest(sequence))
+        if len(self._cache) > self.config.program_cache_size:
+            evicted, _ = self._cache.popitem(last=False)
+            warnings.warn(f"[rank {self.rank}] {len(self._cache) + 1} programs exceed Config.program_cache_size="
+                          f"{self.config.program_cache_size}: evicted the least recently used (inputs "
+                          f"{list(evicted[2])}); a run that cycles through more call signatures recompiles "
+                          "each time: raise the size", stacklevel=4)
         return self._cache[key]
 
     def _agree(self, runners: Runners) -> None:
@@ -176,18 +207,20 @@ class Engine:
 
     # -- forward / backward ----------------------------------------------------------------
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model as it is called: positional and keyword arguments, nested tuples, lists
+        and dicts of tensors, constants; outputs rebuilt as the model returns them (tuples,
+        dicts, `ModelOutput`s). See [Note: what a program is compiled for]."""
         if self._failed_load is not None:
             raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
                                "build a new engine (fxzero.compile) and load a good checkpoint")
-        for i, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"[rank {self.rank}] input {i} is a {type(x).__name__}; pass tensors")
-        runners = self._runners_for(tuple(inputs))
+        leaves, spec = flatten_call(args, kwargs)
+        runners = self._runners_for(args, kwargs, leaves, spec)
         self._agree(runners)
         self._last = runners
+        inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         outputs = RunProgram.apply(self, runners, torch.is_grad_enabled(), self._anchor, *inputs)
-        return pytree.tree_unflatten(list(outputs), runners.compiled.signature.out_spec)
+        return runners.compiled.signature.rebuild_outputs(outputs)
 
     forward = __call__
 

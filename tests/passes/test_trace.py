@@ -149,8 +149,10 @@ def test_plain_tensor_attribute_raises_type_error():
 
 def test_bad_inputs_raise_type_error():
     model = build("mlp")
-    with pytest.raises(TypeError, match="input 0 is a list"):
-        trace_joint(model, [[1.0, 2.0]])
+    with pytest.raises(TypeError, match="input 0 is a object; fxzero traces tensors and constants"):
+        trace_joint(model, [object()])
+    with pytest.raises(TypeError, match=r"input x\['a'\]\[1\] is a bytearray"):
+        trace_joint(model, [], kwargs={"x": {"a": [1, bytearray(b"?")]}})
     with pytest.raises(TypeError, match="input 0 requires grad"):
         trace_joint(model, [torch.zeros(2, 4, requires_grad=True)])
 
