@@ -161,9 +161,9 @@ def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
             state.params[layout.name] = values[lo:hi].clone()
 
 
-def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs):
+def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only=False):
     try:
         return compile_program(model, args, config, world_size=world_size, layouts=layouts, cost_model=cost_model,
-                               kwargs=kwargs)
+                               kwargs=kwargs, forward_only=forward_only)
     except DataDependentControlFlow as e:
         raise DataDependentControlFlow(e.where).with_rank(rank) from e.__cause__

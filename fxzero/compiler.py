@@ -56,6 +56,7 @@ def compile_program(
     layouts: list[UnitLayout] | None = None,
     cost_model=None,
     kwargs: Mapping[str, Any] | None = None,
+    forward_only: bool = False,
 ) -> CompiledProgram:
     """Trace `model(*example_inputs, **kwargs)` (tensors give shapes and dtypes; other arguments
     are constants of the program) and schedule it for `world_size` ranks.
@@ -63,11 +64,17 @@ def compile_program(
     Args:
         cost_model: a `fxzero.cost.CostModel` the passes use to choose how collectives run;
             None keeps the native ones.
+        forward_only: the program of a forward under `torch.no_grad()`: traced without the
+            backward, every unit compiled as frozen (gathered, computed with, freed; nothing kept
+            for a backward, no reduce-scatter, no update), so it costs forward memory only.
     """
     if layouts is None:
         layouts = plan_layouts(model, config, world_size, cost_model)
+    if forward_only:
+        layouts = [dataclasses.replace(layout, trainable=False) for layout in layouts]
     mp = config.mixed_precision
-    traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None)
+    traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
+                         forward_only=forward_only)
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(

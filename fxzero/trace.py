@@ -126,7 +126,7 @@ def _constant(x: Any) -> bool:
 
 
 def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Optional[Mapping[str, Any]] = None,
-                param_dtype: Optional[torch.dtype] = None) -> TracedJoint:
+                param_dtype: Optional[torch.dtype] = None, forward_only: bool = False) -> TracedJoint:
     """Trace the joint forward+backward graph of `model` called as `model(*example_inputs, **kwargs)`.
 
     The call's tensor leaves are the graph's inputs; its other leaves (bools, ints, strings,
@@ -142,6 +142,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             inputs' shapes and dtypes.
         param_dtype: trace with the floating point parameters in this dtype, and floating
             inputs cast to it in the graph (mixed precision); None: the model's own dtypes.
+        forward_only: trace the forward alone, as under `torch.no_grad()`: no parameter is
+            trainable, no output needs a gradient, so the graph has no backward.
 
     Raises:
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
@@ -167,12 +169,12 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     params = dict(model.named_parameters(remove_duplicate=True))
     buffers = dict(model.named_buffers(remove_duplicate=True))
     param_fqns = tuple(params)
-    trainable = tuple(f for f, p in params.items() if p.requires_grad)
+    trainable = tuple(f for f, p in params.items() if p.requires_grad and not forward_only)
     buffer_fqns = tuple(buffers)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def fresh_args() -> tuple[list, list, list]:
-        fp = [_fake_like(mode, p, p.requires_grad, param_dtype if p.is_floating_point() else None)
+        fp = [_fake_like(mode, p, p.requires_grad and not forward_only, param_dtype if p.is_floating_point() else None)
               for p in params.values()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
         fx_ = [_fake_like(mode, x) for x in example_tensors]

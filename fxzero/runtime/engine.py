@@ -42,8 +42,8 @@ from fxzero.schedule.compiled import CompiledProgram
 
 __all__ = ["Engine", "Runners"]
 
-Compiler = Callable[[tuple, dict], CompiledProgram]
-"""Compiles the program of one call, `(args, kwargs)` (`fxzero.compiler.compile_program`, bound)."""
+Compiler = Callable[[tuple, dict, bool], CompiledProgram]
+"""Compiles the program of one call, `(args, kwargs, forward_only)` (`fxzero.compiler.compile_program`, bound)."""
 
 
 class Runners(NamedTuple):
@@ -90,6 +90,7 @@ class Engine:
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
+        self._stepping: Optional[Runners] = None  # the last program with a backward: what step() runs
         self.optimizer = optimizer
         self._group_of = group_of
         self._ranges: dict[tuple[str, frozenset], list] = {}  # (unit, gradless) -> its shard's group ranges
@@ -111,7 +112,14 @@ class Engine:
         keyword arguments, nesting), constant arguments (bools, ints, None: they select code
         paths), tensor shapes and dtypes, the training flag of every submodule (a submodule in
         eval runs without dropout), and the autocast state (a program traced under autocast
-        computes in its dtype). The same call in another mode is another program."""
+        computes in its dtype), and grad mode. The same call in another mode is another program.
+
+        [Note: forward-only programs]
+        A call under `torch.no_grad()` (or inference mode) runs a program traced without the
+        backward: each unit gathered, computed with and freed, nothing kept for a backward, no
+        reduce-scatter, so evaluation costs forward memory only. It never becomes what `step()`
+        updates with (`_stepping`). A call in eval mode with grad enabled keeps the joint
+        program, so a backward can still follow it."""
         tensors, constants = [], []
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
@@ -125,14 +133,15 @@ class Engine:
             constants.append((i, type(x), x))
         modes = tuple(m.training for m in self._model.modules())
         autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-        return (str(spec), tuple(constants), tuple(tensors), modes, autocast)
+        return (str(spec), tuple(constants), tuple(tensors), modes, autocast, torch.is_grad_enabled())
 
     def _runners_for(self, args: tuple, kwargs: dict, leaves: list, spec: Any) -> Runners:
         key = self._key(leaves, spec)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        compiled = self._compile(args, kwargs)  # (on this rank alone: see _agree)
+        # Under no_grad: a forward-only program ([Note: forward-only programs]).
+        compiled = self._compile(args, kwargs, not torch.is_grad_enabled())  # (on this rank alone: see _agree)
         gradless = frozenset(compiled.signature.gradless_fqns)
         update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
         schedule, programs = compiled.schedule, compiled.programs
@@ -218,6 +227,8 @@ class Engine:
         runners = self._runners_for(args, kwargs, leaves, spec)
         self._agree(runners)
         self._last = runners
+        if torch.is_grad_enabled():
+            self._stepping = runners
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         outputs = RunProgram.apply(self, runners, torch.is_grad_enabled(), self._anchor, *inputs)
         return runners.compiled.signature.rebuild_outputs(outputs)
@@ -337,13 +348,13 @@ class Engine:
         With float16 loss scaling a step whose gradients overflowed on any rank is skipped on every
         rank (`skipped_steps`); a non-finite loss (bfloat16, fp32) is an error on every rank.
         """
-        if self._last is None:
+        if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         boundary = self.control.boundary
         self.control.micro_steps += 1
         if not boundary:
             return
-        runner = self._last.step
+        runner = self._stepping.step
         grads = self.state.grads
         missing = [i.unit for i in runner.program.instructions if i.kind == "optim_step" and i.unit not in grads]
         if missing:
@@ -353,7 +364,7 @@ class Engine:
             )
         update = self.control.agree(self.layouts)
         if update:
-            runner.run(self._bind(runner, self._last.compiled.programs["step"], {}), self._record)
+            runner.run(self._bind(runner, self._stepping.compiled.programs["step"], {}), self._record)
         grads.clear()
         self.control.stepped(self.optimizer, skipped=not update)
         self._log.stepped(self)
