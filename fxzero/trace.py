@@ -46,8 +46,19 @@ from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 __all__ = ["TracedJoint", "trace_joint"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
-# decomposition does the update with explicit copy_, which functionalization can see.
-_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_batch_norm.default])
+# decomposition does the update with explicit copy_, which functionalization can see. In eval
+# (training=False) nothing is updated, and the op stays whole: eager's fused kernel, whose
+# rounding the decomposition's separate ops would not reproduce.
+_BATCH_NORM = get_decompositions([torch.ops.aten.native_batch_norm.default])[torch.ops.aten.native_batch_norm.default]
+
+
+def _batch_norm_when_training(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        return NotImplemented
+    return _BATCH_NORM(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+_DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm_when_training}
 
 
 @dataclasses.dataclass

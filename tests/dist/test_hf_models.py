@@ -1,0 +1,141 @@
+"""Hugging Face models called the HF way, on 2 ranks at ZeRO-3: `input_ids=`, `attention_mask=`
+with padding and `labels=` with -100 at the padded positions (`pixel_values=`, `labels=` for
+ResNet), trained through `out.loss`, against eager AdamW doing what DDP does (each step the mean
+of the ranks' micro-batch losses; for ResNet that also keeps BatchNorm's statistics per rank);
+then an evaluation under no_grad (a forward-only program) against eager evaluation of the same
+parameters. Small configs, random init, no downloads; units found automatically (the decoder or
+encoder layer lists, ResNet's stages).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxzero
+from tests.dist.harness import ADAMW, run_ranks
+from tests.dist.reference import assert_losses_close
+
+pytestmark = pytest.mark.timeout(400)
+transformers = pytest.importorskip("transformers")
+
+STEPS, ROWS, SEQ = 5, 4, 16
+
+
+def _build(name: str):
+    t = transformers
+    if name == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+                                              resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    if name == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=2, num_key_value_heads=2, vocab_size=256))
+    if name == "bert":
+        return t.BertForMaskedLM(t.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                              num_attention_heads=2, vocab_size=256, hidden_dropout_prob=0,
+                                              attention_probs_dropout_prob=0))
+    return t.ResNetForImageClassification(t.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                         num_labels=10))
+
+
+MODELS = ("gpt2", "llama", "bert", "resnet")
+
+
+def _batches(name: str, seed: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Global batches of ROWS rows; rows 1 and 3 padded on the right."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if name == "resnet":
+            out.append({"pixel_values": torch.randn(ROWS, 3, 32, 32, generator=g),
+                        "labels": torch.randint(0, 10, (ROWS,), generator=g)})
+            continue
+        ids = torch.randint(0, 256, (ROWS, SEQ), generator=g)
+        mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+        mask[1, 11:] = 0
+        mask[3, 6:] = 0
+        if name == "bert":  # masked LM: predict 4 positions per row, the rest -100
+            labels = torch.full_like(ids, -100)
+            labels[:, [1, 3, 4, 5]] = ids[:, [1, 3, 4, 5]]
+            ids = ids.clone()
+            ids[:, [1, 3, 4, 5]] = 0
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _rows(batch: dict, rank: int, world: int) -> dict:
+    n = ROWS // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
+def _train(rank: int, world_size: int):
+    warnings.simplefilter("ignore")  # (each model's KV cache dropped, said once per model)
+    out = {}
+    for name in MODELS:
+        torch.manual_seed(0)
+        engine = fxzero.compile(_build(name), fxzero.Config(stage=3, optimizer=fxzero.AdamW(**ADAMW), cost_model=None))
+        losses = []
+        for batch in _batches(name, 1, STEPS):
+            result = engine(**_rows(batch, rank, world_size))
+            engine.backward(result.loss)
+            engine.step()
+            losses.append(result.loss.detach())
+        stacked = torch.stack(losses)
+        torch.distributed.all_reduce(stacked)
+        engine.eval()
+        evaluation = _rows(_batches(name, 2, 1)[0], rank, world_size)
+        with torch.no_grad():
+            logits = engine(**evaluation).logits
+        kinds = {ins.kind for p in ("forward", "backward") for ins in engine.schedule.program(p).instructions}
+        out[name] = {"losses": (stacked / world_size).tolist(), "logits": logits, "eval_kinds": kinds,
+                     "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
+                     "units": [layout.name for layout in engine.layouts]}
+    return out
+
+
+def _eager_losses(name: str, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _build(name).train()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses = []
+    for batch in _batches(name, 1, STEPS):
+        loss = sum(model(**_rows(batch, r, world)).loss for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_train, 2, timeout_s=380)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_like_eager_when_called_the_hf_way(ranks, name):
+    assert_losses_close(ranks[0][name]["losses"], _eager_losses(name, 2), f"{name} on 2 ranks, stage 3")
+    units = ranks[0][name]["units"]
+    layer = {"gpt2": "transformer.h.1", "llama": "model.layers.1", "bert": "bert.encoder.layer.1",
+             "resnet": "resnet.encoder.stages.1"}[name]
+    assert layer in units, units
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_evaluation_under_no_grad_is_eager_evaluation(ranks, name):
+    """Each rank's eval logits equal eager eval of that rank's parameters and buffers, exactly;
+    the program that ran has no reduce-scatter and no backward."""
+    warnings.simplefilter("ignore")
+    for rank, result in enumerate(ranks):
+        r = result[name]
+        assert "reduce_scatter" not in r["eval_kinds"]
+        model = _build(name)
+        model.load_state_dict(r["state"])
+        model.eval()
+        with torch.no_grad():
+            want = model(**_rows(_batches(name, 2, 1)[0], rank, 2)).logits
+        assert torch.equal(r["logits"], want), (name, rank, (r["logits"] - want).abs().max())
