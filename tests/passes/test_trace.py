@@ -180,3 +180,25 @@ def test_a_branch_on_a_tensor_value_is_explained_naming_the_models_line():
     assert message.startswith("[rank 0] the forward reads a tensor's value in Python at ")
     assert f"{__file__}:" in message and "(`if h.sum() > 0:  # the line the error names`)" in message
     assert "torch.cond" in message and "one static program" in message
+
+
+class _ConstantFromData(torch.nn.Module):
+    def __init__(self, values) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.values = values
+
+    def forward(self, x):
+        return self.lin(x) + torch.tensor(self.values)
+
+
+def test_tensor_constants_from_python_values_are_made_in_the_graph_or_named():
+    """One value repeated (a `torch.tensor(-inf)`, an empty KV cache's `torch.tensor([])`) becomes
+    a node that creates it; several values are an error saying to register a buffer."""
+    x = torch.randn(3, 2)
+    model = _ConstantFromData([0.5, 0.5])
+    traced = trace_joint(model, [x])
+    assert not [n for n in traced.gm.graph.nodes if n.op == "get_attr"]
+    assert any(n.target is torch.ops.aten.full.default for n in traced.gm.graph.nodes)
+    with pytest.raises(ValueError, match=r"constant tensor of shape \(2,\) from Python data .* register_buffer"):
+        trace_joint(_ConstantFromData([1.0, 2.0]), [x])
