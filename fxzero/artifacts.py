@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -340,13 +340,21 @@ def record(
     compiled,
     *,
     model: str,
-    inputs: Sequence,
+    inputs,
     config,
     seconds: float,
     command: str = "compile",
+    model_config: Optional[dict] = None,
 ) -> Artifacts:
-    """Turn a `CompiledProgram` into Artifacts (nothing is written yet)."""
+    """Turn a `CompiledProgram` into Artifacts (nothing is written yet).
+
+    Args:
+        inputs: the call it was traced on: a `fxzero.modelspec.CallSpec`, or a sequence of
+            `InputSpec` (positional inputs).
+        model_config: a Hugging Face model's config (JSON), recorded with the model spec.
+    """
     from fxzero import __version__
+    from fxzero.modelspec import CallSpec
 
     schedule = compiled.schedule
     layouts = schedule.units
@@ -356,11 +364,12 @@ def record(
         "fxzero_version": __version__,
         "command": command,
         "model": model,
+        **({"model_config": model_config} if model_config is not None else {}),
         "params": sum(u.numel for u in layouts),
         "units": len(layouts),
         "world_size": schedule.world_size,
         "stage": schedule.stage,
-        "inputs": [s.to_json() for s in inputs],
+        "inputs": inputs.to_json() if isinstance(inputs, CallSpec) else [s.to_json() for s in inputs],
         "config": _jsonable(config),
         "compile_seconds": round(seconds, 3),
         "pass_seconds": round(sum(r.seconds for r in compiled.pass_trace), 3),

@@ -33,8 +33,10 @@ def main(ctx: click.Context, traceback: bool) -> None:
 
     See the whole program before it runs: what is gathered when, what is freed, what is
     reduced, and what it costs. MODEL is a zoo name (gpt-tiny, gpt2, llama-7b, cnn, ...),
-    'pkg.module:factory' or 'path/to/file.py:Class', optionally with literal arguments:
-    'gpt-tiny(n_blocks=2)'. Run `fxzero COMMAND --help` for a command's options.
+    'pkg.module:factory', 'path/to/file.py:Class' or a Hugging Face class,
+    'transformers:GPT2LMHeadModel' (its config from --model-config JSON|PATH), optionally
+    with literal arguments: 'gpt-tiny(n_blocks=2)'. Run `fxzero COMMAND --help` for a
+    command's options.
     """
     if ctx.invoked_subcommand is None:
         click.echo(ctx.get_help())

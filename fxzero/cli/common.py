@@ -13,7 +13,8 @@ from typing import Iterator, Optional, Sequence
 import click
 
 from fxzero.artifacts import ArtifactError, Artifacts, record
-from fxzero.modelspec import SpecError, build_model, example_inputs, parse_inputs, parse_model, InputSpec
+from fxzero.modelspec import CallSpec, SpecError, build_model, example_call, parse_call, parse_model
+from fxzero.modelspec.hf import config_record
 from fxzero.viz.render import DotError
 
 __all__ = ["CLIError", "compile_source", "describe_hardware", "load_source", "reports_errors", "trace_options"]
@@ -62,8 +63,27 @@ def reports_errors(what: str = "") -> Iterator[None]:
         raise CLIError(f"{prefix}{e} (run `fxzero --traceback ...` for the stack)") from e
 
 
+INPUTS_HELP = (
+    "The call MODEL is traced on. A tensor is DTYPE[SHAPE], with :LOW..HIGH for integers (HIGH "
+    "exclusive): 'int64[2,128]:0..50257', 'float32[8,3,32,32]'; positional inputs come first, then "
+    "keyword ones, NAME=DTYPE[SHAPE], and keyword constants, NAME=true|false|none|NUMBER: "
+    "'input_ids=int64[2,128]:0..50257 labels=int64[2,128]:0..50257 use_cache=false'. Separate items "
+    "with spaces or ';', or repeat the option. Default: the model's example_inputs(); for a "
+    "transformers: MODEL, input_ids=int64[2,T]:0..vocab_size with T = min(128, max_position_embeddings), "
+    "or pixel_values=float32[2,C,S,S] for an image model (num_channels, image_size or 224). A "
+    "transformers: MODEL whose forward takes use_cache also gets use_cache=false unless the spec names it."
+)
+
+MODEL_CONFIG_HELP = (
+    "For a transformers:ClassName MODEL: its config (ClassName.config_class), as a JSON object, e.g. "
+    "'{\"n_layer\": 2, \"n_embd\": 64}', or the path of a config.json (the file or its folder). "
+    "Nothing is downloaded. Default: the config class's defaults; literal arguments, "
+    "'transformers:GPT2LMHeadModel(n_layer=2)', override fields."
+)
+
+
 def trace_options(fn):
-    """--world, --stage, --config and --inputs: everything tracing a MODEL needs."""
+    """--world, --stage, --config, --model-config and --inputs: everything tracing a MODEL needs."""
 
     @click.option("--world", type=click.IntRange(min=1), default=None,
                   help=f"World size to compile for (default {DEFAULT_WORLD}); no ranks are launched.")
@@ -71,10 +91,8 @@ def trace_options(fn):
                   help="ZeRO stage (default 3, or the --config file's).")
     @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                   help="A DeepSpeed-style JSON config (zero_optimization.stage, optimizer).")
-    @click.option("--inputs", "inputs", multiple=True, metavar="SPEC",
-                  help="Example inputs when the model has no example_inputs(): DTYPE[SHAPE], "
-                       "with :LOW..HIGH for integers, e.g. 'int64[2,128]:0..50257'. Repeat, or "
-                       "separate with ';', for several inputs.")
+    @click.option("--model-config", "model_config", default=None, metavar="JSON|PATH", help=MODEL_CONFIG_HELP)
+    @click.option("--inputs", "inputs", multiple=True, metavar="SPEC", help=INPUTS_HELP)
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -153,27 +171,37 @@ class Compiled:
 
 
 def compile_source(spec: str, *, world: Optional[int], stage: Optional[str], config_path: Optional[str],
-                   inputs: Sequence[str]) -> Compiled:
-    """Build MODEL on the meta device, trace and schedule it, record the artifacts (in memory)."""
+                   inputs: Sequence[str], model_config: Optional[str] = None) -> Compiled:
+    """Build MODEL on the meta device, trace and schedule it, record the artifacts (in memory).
+
+    The model is called as the --inputs spec says (`model(*args, **kwargs)`), or on its own
+    example inputs, or on a Hugging Face model's default ones; what fxzero adds is said on stderr.
+    """
     import fxzero
 
     with reports_errors():
         model_spec = parse_model(spec)
-        input_specs = parse_inputs(inputs)
+        call_spec = parse_call(inputs)
         config = make_config(config_path, stage)
-        model = build_model(model_spec)
-        xs = example_inputs(model, input_specs, what=f"MODEL {spec!r}")
-        recorded: Sequence[InputSpec] = input_specs or [InputSpec.of(x) for x in xs]
+        model = build_model(model_spec, model_config=model_config)
+        call = example_call(model, call_spec, what=f"MODEL {spec!r}")
+    if call.completed and call_spec.empty:
+        click.echo(f"note: no --inputs; tracing {spec} on '{call.spec}'", err=True)
+    elif call.completed:
+        added = " ".join(str(CallSpec(kwargs=(kv,))) for kv in call.spec.kwargs if kv not in call_spec.kwargs)
+        click.echo(f"note: tracing {spec} with {added} too (a KV cache is of no use to training; "
+                   "--inputs can say otherwise)", err=True)
     from fxzero.config.effects import ineffective_settings, warn_ineffective
 
     warn_ineffective(ineffective_settings(config, world_size=world or DEFAULT_WORLD, cuda=False,
                                           initialized_from_seed=True))
     with reports_errors(f"compiling {spec}"):
         start = time.perf_counter()
-        compiled = fxzero.compile_program(model, xs, config, world_size=world or DEFAULT_WORLD,
-                                          cost_model=static_cost_model(config))
+        compiled = fxzero.compile_program(model, call.args, config, world_size=world or DEFAULT_WORLD,
+                                          cost_model=static_cost_model(config), kwargs=call.kwargs)
         seconds = time.perf_counter() - start
-        art = record(compiled, model=spec, inputs=recorded, config=config, seconds=seconds)
+        art = record(compiled, model=spec, inputs=call.spec, config=config, seconds=seconds,
+                     model_config=config_record(model))
     return Compiled(art, seconds)
 
 
@@ -182,18 +210,20 @@ def _looks_like_path(source: str) -> bool:
 
 
 def load_source(source: str, *, world: Optional[int] = None, stage: Optional[str] = None,
-                config_path: Optional[str] = None, inputs: Sequence[str] = ()) -> Artifacts:
+                config_path: Optional[str] = None, inputs: Sequence[str] = (),
+                model_config: Optional[str] = None) -> Artifacts:
     """Artifacts from a directory written by `fxzero compile`, or compiled now from a MODEL."""
     if _looks_like_path(source):
         with reports_errors():
             art = Artifacts.read(source)
         given = [name for name, v in (("--world", world), ("--stage", stage), ("--config", config_path),
-                                      ("--inputs", inputs)) if v]
+                                      ("--model-config", model_config), ("--inputs", inputs)) if v]
         if given:
             click.echo(f"note: {', '.join(given)} apply when tracing a MODEL; {source} was compiled "
                        f"for ZeRO-{art.schedule.stage} on {art.schedule.world_size} ranks", err=True)
         return art
-    return compile_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs).artifacts
+    return compile_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs,
+                          model_config=model_config).artifacts
 
 
 def slug(spec: str) -> str:

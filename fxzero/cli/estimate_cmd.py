@@ -10,7 +10,7 @@ from typing import Optional
 import click
 
 from fxzero import estimate
-from fxzero.cli.common import CLIError, DEFAULT_WORLD, reports_errors
+from fxzero.cli.common import CLIError, DEFAULT_WORLD, MODEL_CONFIG_HELP, reports_errors
 from fxzero.viz.fmt import human_bytes, human_count
 
 __all__ = ["estimate_command", "parse_count"]
@@ -63,6 +63,7 @@ def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
 @click.argument("model", required=False)
 @click.option("--params", "params_text", default=None, metavar="N",
               help="Parameter count instead of a MODEL (124M, 6.7B, 7e9): the ZeRO paper's formulas.")
+@click.option("--model-config", "model_config", default=None, metavar="JSON|PATH", help=MODEL_CONFIG_HELP)
 @click.option("--world", type=click.IntRange(min=1), default=DEFAULT_WORLD, show_default=True,
               help="Total ranks (data-parallel degree).")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
@@ -73,7 +74,7 @@ def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
               help="With MODEL: also show gradient accumulation over K micro-steps under both policies "
                    "(Config.gradient_accumulation): gradient bytes held and reduce-scatter bytes per optimizer step.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON (bytes).")
-def estimate_command(model: Optional[str], params_text, world, nodes, offload, accumulation, as_json):
+def estimate_command(model: Optional[str], params_text, model_config, world, nodes, offload, accumulation, as_json):
     """Per-rank memory of model states (params + grads + Adam) for each ZeRO stage.
 
     With MODEL the figures come from the same unit layouts the runtime allocates (padding
@@ -83,6 +84,8 @@ def estimate_command(model: Optional[str], params_text, world, nodes, offload, a
     """
     if (model is None) == (params_text is None):
         raise CLIError("give either MODEL or --params N (e.g. `fxzero estimate --params 7B --world 64`)")
+    if model_config is not None and model is None:
+        raise CLIError("--model-config describes a MODEL (transformers:ClassName); --params N needs none")
     if world % nodes:
         raise CLIError(f"--world {world} ranks cannot be split evenly over --nodes {nodes}")
     layouts = None
@@ -92,7 +95,7 @@ def estimate_command(model: Optional[str], params_text, world, nodes, offload, a
         from fxzero.units import plan_units
 
         with reports_errors(f"planning units of {model}"):
-            layouts = plan_units(build_model(model), UnitsPolicy(), world)
+            layouts = plan_units(build_model(model, model_config=model_config), UnitsPolicy(), world)
         phi = float(sum(u.numel for u in layouts))
     else:
         phi = parse_count(params_text)

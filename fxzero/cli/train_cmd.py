@@ -91,7 +91,8 @@ def _check_timeout(ctx, param, value: float) -> float:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A DeepSpeed-style JSON config.")
 @click.option("--inputs", "inputs", multiple=True, metavar="SPEC",
-              help="Input spec when the model has no example_inputs(), e.g. 'int64[8,64]:0..1000'.")
+              help="Input specs when the model has no example_inputs(), e.g. 'int64[8,64]:0..1000' (positional "
+                   "inputs only; the grammar is `fxzero compile --help`'s).")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Artifact directory to write (default artifacts/<MODEL>-train).")
 @click.option("--collective-timeout", "collective_timeout", type=float, callback=_check_timeout,
@@ -108,10 +109,17 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
     `fxzero schedule DIR --trace t.json` (a trace with one process per rank).
     """
     with reports_errors():  # a MODEL that does not resolve fails here, before any rank starts
-        from fxzero.modelspec import build_model, parse_inputs
+        from fxzero.modelspec import build_model, parse_call, parse_model
+        from fxzero.modelspec.hf import is_hf_model, is_hf_target
 
-        build_model(model)
-        parse_inputs(inputs)
+        if is_hf_target(parse_model(model).target) or is_hf_model(build_model(model)):
+            raise CLIError(f"fxzero train does not train Hugging Face models ({model}) yet: its synthetic tasks "
+                           "call a model with positional inputs. See its program with `fxzero compile`, "
+                           "or train it from Python with fxzero.compile(model, config) called the HF way")
+        call = parse_call(inputs)
+        if call.kwargs:
+            raise CLIError(f"fxzero train takes positional --inputs only (its synthetic task reads them), "
+                           f"not {call.kwargs[0][0]}=...; e.g. --inputs 'int64[8,64]:0..1000'")
     out_dir = out_dir or os.path.join("artifacts", slug(model) + "-train")
     options = ["--steps", str(steps), "--out", out_dir, "--collective-timeout", repr(float(collective_timeout))]
     for flag, value in (("--batch", batch), ("--stage", stage), ("--lr", lr), ("--config", config_path)):

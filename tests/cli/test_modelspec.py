@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from fxzero.modelspec import SpecError, build_model, example_inputs, parse_inputs, parse_model
+from fxzero.modelspec import SpecError, build_model, example_inputs, parse_call, parse_inputs, parse_model
 from fxzero.zoo import GPT, Llama
 
 
@@ -68,3 +68,30 @@ def test_inputs_specs():
         with pytest.raises(SpecError, match=message):
             parse_inputs([bad])
     assert parse_model("gpt2").target == "gpt2"
+
+
+def test_keyword_inputs_and_constants():
+    call = parse_call(["int64[2,8]:0..96 input_ids = int64[2,16]:0..96;mask=bool[2,16]",
+                       "use_cache=false  return_dict=True scale=0.5 n=-3 past=none"])
+    assert [str(a) for a in call.args] == ["int64[2,8]:0..96"]
+    assert [k for k, _ in call.kwargs] == ["input_ids", "mask", "use_cache", "return_dict", "scale", "n", "past"]
+    assert dict(call.kwargs)["use_cache"] is False and dict(call.kwargs)["return_dict"] is True
+    assert (dict(call.kwargs)["scale"], dict(call.kwargs)["n"], dict(call.kwargs)["past"]) == (0.5, -3, None)
+    assert str(call) == ("int64[2,8]:0..96 input_ids=int64[2,16]:0..96 mask=bool[2,16] use_cache=false "
+                         "return_dict=true scale=0.5 n=-3 past=none")
+    assert parse_call([str(call)]) == call  # the text form reads back
+    args, kwargs = call.make(torch.Generator().manual_seed(0))
+    assert args[0].shape == (2, 8) and kwargs["input_ids"].shape == (2, 16) and kwargs["mask"].dtype == torch.bool
+    assert call.to_json()[1] == {"name": "input_ids", "dtype": "int64", "shape": [2, 16], "low": 0, "high": 96}
+    assert call.to_json()[3] == {"name": "use_cache", "value": False}
+    # the positional form is what it was: parse_inputs takes positional inputs only
+    assert parse_inputs(["int64[2,16]:0..96"]) == list(parse_call(["int64[2,16]:0..96"]).args)
+    for bad, message in [("x=int64[2]:0..5 float32[2]", "positional input after keyword"),
+                         ("x=1 x=2", "x is given twice"), ("x=maybe", "neither DTYPE"), ("=int64[2]:0..5", "NAME=VALUE"),
+                         ("true", "a constant is passed by name"), ("x=", "no value after"),
+                         ("x=int64[2]", "needs its value range")]:
+        with pytest.raises(SpecError, match=message) as info:
+            parse_call([bad])
+        assert "\n" not in str(info.value)
+    with pytest.raises(SpecError, match="only positional inputs"):
+        parse_inputs(["x=int64[2]:0..5"])
