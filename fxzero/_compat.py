@@ -9,6 +9,7 @@ from torch._ops import OpOverload  # noqa: F401
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = ["DataDependentOutputException", "FakeTensor", "FakeTensorMode", "GuardOnDataDependentSymNode",
-           "OpOverload", "get_decompositions", "make_fx", "pytree"]
+           "OpOverload", "TorchDispatchMode", "get_decompositions", "make_fx", "pytree"]

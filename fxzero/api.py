@@ -63,7 +63,9 @@ def compile(
             a JSON file's path (read strictly, `fxzero.config.deepspeed`); defaults to
             `fxzero.Config()` (ZeRO-3, AdamW).
         state_dict: full initial values (e.g. a checkpoint), loaded unit by unit; without it a
-            meta model is initialized by its modules' own `reset_parameters()`.
+            meta model is initialized by its own init code, replayed one module at a time
+            (`fxzero/runtime/init_replay.py`): as eager construction after
+            `torch.manual_seed(config.seed)` would.
         model_parameters: the parameters, or param groups (dicts of "params" and options such as
             "weight_decay"), as a torch optimizer takes them; None: one group of all.
     """

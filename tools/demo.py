@@ -8,7 +8,8 @@ Launch with torchrun, one process per rank:
 runs as a world of one.
 
 The model is built on the meta device, so no rank ever holds all of its parameters: `compile`
-materializes each rank's shard from the layers' own `reset_parameters()`. The task is
+materializes each rank's shard from the model's own init (GPT-2's: N(0, 0.02), residual
+projections scaled down), so the first loss is near a uniform guess's. The task is
 synthetic and learnable: every target token is a fixed permutation of its input token,
 `y[t] = perm[x[t]]`, so the loss can fall towards zero; a uniform guess scores ln(vocab_size).
 Each rank draws its own batch every step, as data-parallel ranks do.

@@ -3,7 +3,7 @@
     nice .venv/bin/python tools/export_memory.py                  # gpt-1b, fp32 and bf16 exports
 
 A first child process builds the model on the meta device, compiles it in a world of one (its
-parameters initialized by reset_parameters, unit by unit) and saves a checkpoint (the fp32
+parameters initialized by the model's own init, unit by unit) and saves a checkpoint (the fp32
 masters and AdamW's two moments) into a directory under --dir. Then `fxzero export` runs on it
 in a child once per --dtypes entry, and its peak RSS is that child's own (os.wait4's rusage).
 This process imports no torch and holds no model: a child started by fork or vfork begins in its

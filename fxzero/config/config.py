@@ -46,7 +46,9 @@ class Config:
     (the subclasses of `fxzero.config.OptimizerPolicy`, whose declared states the step program
     keeps per element: two for AdamW and Adam, one for Adagrad)."""
     seed: int = 0
-    """Seed for initializing a model built on the meta device from its own `reset_parameters()`."""
+    """Seed for initializing a model built on the meta device by its own init code (each layer's
+    `reset_parameters()`, then the model's `_init_weights`): the values eager construction after
+    `torch.manual_seed(seed)` gives."""
     prefetch: Optional[Prefetch] = Prefetch()
     """ZeRO-3: how far ahead all-gathers start; None issues each right before its first use."""
     persist_threshold: int = 0

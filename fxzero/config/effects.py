@@ -33,9 +33,8 @@ def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initial
     Args:
         world_size: ranks the model trains on.
         cuda: whether the ranks compute on CUDA devices.
-        initialized_from_seed: whether the parameters come from the modules' own
-            `reset_parameters()` (a model on the meta device and no state_dict), which is all
-            `Config.seed` seeds.
+        initialized_from_seed: whether the parameters come from the model's own init code
+            (a model on the meta device and no state_dict), which is all `Config.seed` seeds.
     """
     out = []
     tiers = config.offload.tiers()
@@ -61,6 +60,6 @@ def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initial
         out.append(f"Config.transport={config.transport!r} has no effect in a world of one: there are no "
                    "collectives to carry")
     if config.seed != Config().seed and not initialized_from_seed:
-        out.append(f"Config.seed={config.seed} has no effect: it seeds the modules' own reset_parameters() for a "
+        out.append(f"Config.seed={config.seed} has no effect: it seeds the model's own init code for a "
                    "model built on the meta device without a state_dict, and this model's values are given")
     return out

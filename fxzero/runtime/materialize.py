@@ -4,22 +4,25 @@ Three sources, in order of precedence:
 1. a full `state_dict` (e.g. loaded from a checkpoint): each parameter is read and only the
    part in this rank's range is copied;
 2. the model's own tensors, when they are real (not on the meta device);
-3. the modules' own `reset_parameters()`, run module by module in `named_modules()` order
-   under `Config.seed`, on every rank alike. For standard layers this reproduces the values of
-   eager construction under `torch.manual_seed(seed)`; for a tied parameter the first
-   initialization wins, as in eager construction followed by tying.
+3. the model's own initialization, replayed under `Config.seed` on every rank alike
+   (`fxzero.runtime.init_replay`): each layer's `reset_parameters()` as constructed, then a
+   Hugging Face model's `post_init()` init (`_init_weights`), or a plain model's
+   `self.apply(self._init_weights)`. This reproduces the values of eager construction under
+   `torch.manual_seed(seed)`, tied parameters included.
 
-In every case only one module's (or one parameter's) full tensors exist at a time.
+In every case only one module's (or one parameter's) full tensors exist at a time; with an
+`_init_weights` of a parent module, also the children's tensors it writes.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
+from fxzero.runtime.init_replay import initial_values
 
 __all__ = ["broadcast_initial_values", "materialize"]
 
@@ -85,46 +88,6 @@ class _Sink:
         return sorted(set(self.where) - self.filled)
 
 
-def _from_reset_parameters(model: nn.Module, seed: int) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield ("param"|"buffer", fqn, value) from each module's own initialization."""
-    unique = {id(p): fqn for fqn, p in unique_parameters(model).items()}
-    buffer_names = {id(b): fqn for fqn, b in model.named_buffers()}
-    seen: set[str] = set()
-    rng_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        for name, module in model.named_modules():
-            own_params = dict(module._parameters)
-            own_buffers = dict(module._buffers)
-            if not any(t is not None for t in [*own_params.values(), *own_buffers.values()]):
-                continue
-            if not hasattr(module, "reset_parameters"):
-                if any(t is not None and t.is_meta for t in own_params.values()):
-                    raise ValueError(
-                        f"module {name!r} ({type(module).__name__}) has parameters on the meta "
-                        "device but no reset_parameters(), so fxzero cannot initialize it; pass "
-                        "state_dict= to fxzero.compile, or add reset_parameters() to the module"
-                    )
-                continue
-            module.to_empty(device="cpu", recurse=False)
-            try:
-                with torch.no_grad():
-                    module.reset_parameters()
-                for attr, orig in own_params.items():
-                    if orig is not None and unique[id(orig)] not in seen:
-                        seen.add(unique[id(orig)])
-                        yield "param", unique[id(orig)], module._parameters[attr]
-                for attr, orig in own_buffers.items():
-                    if orig is not None and id(orig) in buffer_names:
-                        yield "buffer", buffer_names[id(orig)], module._buffers[attr]
-            finally:
-                # Put the original (meta) tensors back: the model keeps its ties and its size.
-                module._parameters.update(own_params)
-                module._buffers.update(own_buffers)
-    finally:
-        torch.random.set_rng_state(rng_state)
-
-
 def materialize(
     model: nn.Module,
     layouts: list[UnitLayout],
@@ -135,6 +98,7 @@ def materialize(
     seed: int = 0,
     spill: frozenset[str] = frozenset(),
     spill_to: Optional[Callable[[str, torch.Tensor], None]] = None,
+    stats: Optional[dict] = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's flat parameter storage per unit, and the model's buffers (full, on CPU).
 
@@ -143,9 +107,12 @@ def materialize(
             its shard.
         spill, spill_to: units whose shard is handed to `spill_to(unit, shard)` as soon as it is
             complete (e.g. written to an NVMe tier) instead of returned.
+        stats: if given and the model's own init runs, `stats["peak_bytes"]` is set to the
+            most bytes of full (unsharded) tensors it held at once.
 
     Raises:
-        ValueError: if the state_dict lacks parameters or has wrong shapes.
+        ValueError: if the state_dict lacks parameters or has wrong shapes, or a parameter on
+            the meta device has no value and nothing in the model's init sets it.
     """
     sink = _Sink(layouts, rank, whole, spill, spill_to)
     buffers: dict[str, torch.Tensor] = {}
@@ -162,7 +129,7 @@ def materialize(
         for fqn, p in unique_parameters(model).items():
             sink.put(fqn, p)
     else:
-        for what, fqn, value in _from_reset_parameters(model, seed):
+        for what, fqn, value in initial_values(model, seed, stats):
             if what == "param":
                 sink.put(fqn, value)
             else:
@@ -172,7 +139,8 @@ def materialize(
             if b.is_meta:
                 raise ValueError(
                     f"buffer {fqn!r} is on the meta device and no value was given for it; "
-                    "include it in state_dict= or give its module a reset_parameters()"
+                    "include it in state_dict=, give its module a reset_parameters(), or set it in "
+                    "the model's _init_weights(module)"
                 )
             buffers[fqn] = b.detach().clone()
     missing = sink.missing()

@@ -1,17 +1,19 @@
 """A small built-in model zoo for tests, the demo and the CLI.
 
-Every model here is made only of standard torch layers initialized by their own
-`reset_parameters()`, in the order the modules are registered. That is what lets fxzero build a
-model on the meta device and materialize it later: under the same `torch.manual_seed`, calling
-`reset_parameters()` module by module in `model.modules()` order reproduces eager construction
-exactly. Two rules keep that true, so keep them when adding a model:
+Every model here is made of standard torch layers initialized by their own
+`reset_parameters()`, in the order the modules are registered, and the GPT then applies GPT-2's
+init with `self.apply(self._init_weights)` as the last step of its `__init__`. That is what lets
+fxzero build a model on the meta device and materialize it later with the values eager
+construction gives under the same `torch.manual_seed` (`fxzero.runtime.init_replay` replays
+exactly that sequence). Three rules keep that true, so keep them when adding a model:
 
-- no custom `self.apply(init_fn)` pass, and no parameter created outside a layer;
+- any init beyond the layers' own goes in the model's `_init_weights(module)`, applied by
+  `self.apply(self._init_weights)` at the end of `__init__` (after any tie); no other
+  `self.apply(init_fn)` pass, and no parameter created outside a layer;
 - every submodule is constructed right where it is registered, so construction order (the
-  order the RNG is consumed eagerly) equals registration order (the order `modules()` yields).
-
-A tied parameter (`GPT.lm_head.weight is GPT.wte.weight`) is initialized by the first module
-that owns it; eagerly, the later owner's own initialization is thrown away when the tie is made.
+  order the RNG is consumed eagerly) equals registration order (the order `modules()` yields);
+- a tied parameter (`GPT.lm_head.weight is GPT.wte.weight`) is tied before the
+  `self.apply`, which then writes it through each owner: the last write wins, in the replay too.
 
 Models build from a frozen config; `build(name, **overrides)` is the registry the CLI uses.
 Rotary tables are computed in the forward (a pure function of the shape), not held in buffers.

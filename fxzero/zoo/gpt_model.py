@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn as nn
@@ -118,9 +119,29 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_head:
-            # The embedding's initialization wins: lm_head's own init above is discarded. It
-            # still consumed RNG, but last, so no other parameter's values depend on it.
             self.lm_head.weight = self.wte.weight
+        # Last, after the tie (as fxzero replays it for a model built on the meta device): the
+        # tied matrix is drawn twice, as wte's and then as lm_head's, and keeps the second draw.
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialization, applied to every module (children before parents).
+
+        Linear and embedding weights N(0, 0.02), biases zero, LayerNorms one and zero; the two
+        projections into the residual stream of each block (attention's and the MLP's)
+        N(0, 0.02 / sqrt(2 * n_blocks)), so the stream's variance does not grow with depth. The
+        head scores with the small embedding, so an untrained model's loss is near ln(vocab_size).
+        """
+        std = 0.02
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, (CausalSelfAttention, MLP)):  # after their own Linears: this draw wins
+            nn.init.normal_(module.proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_blocks))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Next-token logits.
@@ -158,7 +179,7 @@ GPT_SIZES: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(vocab_size=50257, d_model=768, n_heads=12, n_blocks=12, seq_len=256),
     "1b": GPTConfig(vocab_size=32000, d_model=2048, n_heads=16, n_blocks=24, seq_len=128),
     # ~2.2B: 16 bytes per parameter of model states (35 GB) exceed a 24 GiB machine's memory.
-    # Untied head: a tied one scores with the N(0, 1) embedding, so the initial loss is ~1400.
+    # Untied head: the head and the embedding are two units of 82M parameters each.
     "2b": GPTConfig(vocab_size=32000, d_model=2560, n_heads=20, n_blocks=26, seq_len=128, tie_head=False),
 }
 """Named GPT shapes for `gpt(size)`."""

@@ -93,10 +93,14 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 
 def make_gpt_batches(cfg: GPTConfig, steps: int, global_batch: int, seed: int) -> list[Batch]:
-    """Random token batches for next-token prediction.
+    """Token batches of a learnable next-token task.
 
-    Each step draws `seq_len + 1` tokens per row; x is the first `seq_len`, y the last
-    `seq_len` (x shifted by one), as in language-model training.
+    Each row starts at a random token and follows a fixed random permutation of the vocabulary
+    (the token after t is successor[t]) for `seq_len` more tokens; x is the first `seq_len`, y
+    the last `seq_len` (x shifted by one), as in language-model training. Learnable, so a model
+    that starts at the uniform guess (the zoo GPT's GPT-2 init) has gradients with a signal:
+    on uniformly random tokens it could learn nothing, and its gradients would be noise, with
+    elements near zero that Adam turns into +-lr steps from rounding alone.
 
     Args:
         cfg: The model's shape (vocab_size and seq_len are used).
@@ -108,9 +112,13 @@ def make_gpt_batches(cfg: GPTConfig, steps: int, global_batch: int, seed: int) -
         `steps` pairs (x, y) of LongTensors of shape (global_batch, seq_len).
     """
     gen = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(cfg.vocab_size, generator=gen)
     batches = []
     for _ in range(steps):
-        tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen)
+        tokens = [torch.randint(0, cfg.vocab_size, (global_batch,), generator=gen)]
+        for _ in range(cfg.seq_len):
+            tokens.append(successor[tokens[-1]])
+        tokens = torch.stack(tokens, dim=1)
         batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return batches
 

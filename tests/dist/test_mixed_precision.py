@@ -147,7 +147,8 @@ def _relative(got: list[float], want: list[float]) -> float:
 def test_bf16_losses_track_the_eager_mixed_precision_loop(run, reference):
     got = run[0]["bf16"]["losses"]
     assert len(got) == STEPS and _relative(got, reference) <= TRACK_BF16, (got, reference)
-    assert reference[-1] < 0.75 * reference[0], "the reference must learn, or tracking it shows nothing"
+    # The loss must fall by far more than the tracking tolerance, or tracking it shows nothing.
+    assert reference[0] - reference[-1] > 5 * TRACK_BF16 * reference[0], reference
 
 
 def test_fp32_losses_stay_near_the_bf16_loop(run, reference):

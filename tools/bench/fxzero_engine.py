@@ -4,8 +4,9 @@ Initial weights, by `init` in the system's options:
 - "state_dict" (default): the eager model built from the benchmark's seed, as every other
   system builds it, is handed over as `fxzero.compile(meta_model, config, state_dict=...)` and
   dropped after compile. Its full copy counts in this rank's peak RSS, as it does for the others.
-- "seed": no full copy anywhere: each rank's shard is initialized by the layers' own
-  `reset_parameters()` under `Config(seed=...)`, which reproduces eager construction.
+- "seed": no full copy anywhere: each rank's shard is initialized by the model's own init
+  (`reset_parameters()`, `_init_weights`) under `Config(seed=...)`, which reproduces eager
+  construction.
 
 Config knobs come from the system table (`systems.py`) as `fxzero.Config(..., **config)`; a knob
 this fxzero does not have makes the system unavailable (checked before any rank starts). Two take
