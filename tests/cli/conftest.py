@@ -38,3 +38,13 @@ def tiny_dir(tmp_path_factory, runner) -> str:
     out = str(tmp_path_factory.mktemp("tiny") / "art")
     invoke(runner, "compile", TINY, "--world", str(WORLD), "-o", out)
     return out
+
+
+def one_line_error(result, *needles: str) -> None:
+    """A CLI mistake's contract: exit code 1, no traceback, one `Error:` line holding every needle."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    for needle in needles:
+        assert needle in lines[0], result.output

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from fxzero.artifacts import Artifacts
-from tests.cli.conftest import TINY, WORLD, invoke
+from tests.cli.conftest import TINY, WORLD, invoke, one_line_error
 
 
 def test_compile_writes_the_artifacts(tiny_dir, runner):
@@ -89,48 +89,41 @@ def test_graph_of_a_model_spec_without_a_directory(tmp_path, runner, monkeypatch
 # -- errors: one line, non-zero exit, no traceback ----------------------------------------------
 
 
-def _one_line_error(result, *needles: str) -> None:
-    assert result.exit_code != 0
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    for needle in needles:
-        assert needle in lines[0], result.output
 
 
 def test_error_model_spec_does_not_resolve(runner):
-    _one_line_error(invoke(runner, "compile", "gpt-huge", ok=False), "does not resolve", "gpt-tiny")
-    _one_line_error(invoke(runner, "graph", "nosuchpkg:Model", ok=False), "no module named 'nosuchpkg'")
+    one_line_error(invoke(runner, "compile", "gpt-huge", ok=False), "does not resolve", "gpt-tiny")
+    one_line_error(invoke(runner, "graph", "nosuchpkg:Model", ok=False), "no module named 'nosuchpkg'")
 
 
 def test_error_not_an_artifact(tmp_path, runner):
     stray = tmp_path / "notes.txt"
     stray.write_text("hello")
-    _one_line_error(invoke(runner, "schedule", str(stray), ok=False), "is not an fxzero artifact")
-    _one_line_error(invoke(runner, "graph", str(tmp_path), ok=False), "no manifest.json", "fxzero compile")
+    one_line_error(invoke(runner, "schedule", str(stray), ok=False), "is not an fxzero artifact")
+    one_line_error(invoke(runner, "graph", str(tmp_path), ok=False), "no manifest.json", "fxzero compile")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "manifest.json").write_text("{not json")
-    _one_line_error(invoke(runner, "schedule", str(bad), ok=False), "not valid JSON")
+    one_line_error(invoke(runner, "schedule", str(bad), ok=False), "not valid JSON")
 
 
 def test_error_format_dot_cannot_write(tiny_dir, runner):
-    _one_line_error(invoke(runner, "graph", tiny_dir, "--format", "docx", "-o", "-", ok=False),
+    one_line_error(invoke(runner, "graph", tiny_dir, "--format", "docx", "-o", "-", ok=False),
                     "cannot write format 'docx'", "svg")
 
 
 def test_error_dot_missing(tiny_dir, runner, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no `dot` on PATH
-    _one_line_error(invoke(runner, "graph", tiny_dir, "--format", "svg", "-o", "-", ok=False),
+    one_line_error(invoke(runner, "graph", tiny_dir, "--format", "svg", "-o", "-", ok=False),
                     "`dot` binary was not found", "apt-get install graphviz")
     # the DOT source needs no binary
     assert invoke(runner, "graph", tiny_dir, "--format", "dot", "-o", "-").stdout.startswith("digraph")
 
 
 def test_error_unknown_unit_and_refuses_foreign_output_dir(tiny_dir, runner, tmp_path):
-    _one_line_error(invoke(runner, "graph", tiny_dir, "--unit", "blocks.9", ok=False), "no unit 'blocks.9'", "blocks.1")
+    one_line_error(invoke(runner, "graph", tiny_dir, "--unit", "blocks.9", ok=False), "no unit 'blocks.9'", "blocks.1")
     (tmp_path / "keep.txt").write_text("mine")
-    _one_line_error(invoke(runner, "compile", "cnn", "-o", str(tmp_path), ok=False), "refusing to write")
+    one_line_error(invoke(runner, "compile", "cnn", "-o", str(tmp_path), ok=False), "refusing to write")
 
 
 # -- --config and --inputs ----------------------------------------------------------------------
@@ -182,11 +175,11 @@ def test_stage_flag_overrides_the_config_file(runner, tmp_path, file_stage, flag
 
 
 def test_config_file_errors_are_one_line(runner, tmp_path):
-    _one_line_error(invoke(runner, "compile", "cnn", "--config", str(tmp_path / "missing.json"), ok=False),
+    one_line_error(invoke(runner, "compile", "cnn", "--config", str(tmp_path / "missing.json"), ok=False),
                     "missing.json")
     bad = tmp_path / "sgd.json"
     bad.write_text(json.dumps({"optimizer": {"type": "SGD"}}))
-    _one_line_error(invoke(runner, "compile", "cnn", "--config", str(bad), ok=False),
+    one_line_error(invoke(runner, "compile", "cnn", "--config", str(bad), ok=False),
                     "optimizer type 'SGD' is not supported")
 
 
@@ -223,7 +216,7 @@ def test_inputs_for_a_model_without_example_inputs(runner, tmp_path):
             def forward(self, x):
                 return self.layers[1](self.layers[0](x).relu())
     """))
-    _one_line_error(invoke(runner, "compile", f"{path}:Net", ok=False), "no example_inputs() method")
+    one_line_error(invoke(runner, "compile", f"{path}:Net", ok=False), "no example_inputs() method")
     out = str(tmp_path / "art")
     invoke(runner, "compile", f"{path}:Net", "--world", "2", "--inputs", "float32[5,6]", "-o", out)
     art = Artifacts.read(out)

@@ -14,7 +14,7 @@ import pytest
 
 from fxzero.artifacts import Artifacts
 from fxzero.modelspec import build_model, example_call, parse_call
-from tests.cli.conftest import WORLD, invoke
+from tests.cli.conftest import WORLD, invoke, one_line_error
 
 pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("transformers")
@@ -127,25 +127,18 @@ def test_other_classes_build_on_meta_with_their_default_inputs(runner, name, def
 # -- errors: one line, exit code 1 --------------------------------------------------------------
 
 
-def _one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    for needle in needles:
-        assert needle in lines[0], result.output
 
 
 def test_error_unknown_class_names_the_nearest(runner):
-    _one_line_error(invoke(runner, "compile", "transformers:GPT2LMHedModel", ok=False),
+    one_line_error(invoke(runner, "compile", "transformers:GPT2LMHedModel", ok=False),
                     "no class 'GPT2LMHedModel'", "did you mean GPT2LMHeadModel")
-    _one_line_error(invoke(runner, "compile", "transformers:GPT2Config", ok=False), "is not a model class")
+    one_line_error(invoke(runner, "compile", "transformers:GPT2Config", ok=False), "is not a model class")
 
 
 def test_error_model_config_on_a_model_that_is_not_hf(runner):
-    _one_line_error(invoke(runner, "compile", "gpt-tiny", "--model-config", '{"n_layer": 2}', ok=False),
+    one_line_error(invoke(runner, "compile", "gpt-tiny", "--model-config", '{"n_layer": 2}', ok=False),
                     "--model-config applies to Hugging Face models", "'gpt-tiny'")
-    _one_line_error(invoke(runner, "estimate", "--params", "7B", "--model-config", "{}", ok=False), "--model-config")
+    one_line_error(invoke(runner, "estimate", "--params", "7B", "--model-config", "{}", ok=False), "--model-config")
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -157,22 +150,22 @@ def test_error_model_config_on_a_model_that_is_not_hf(runner):
 ])
 def test_error_malformed_keyword_spec(runner, inputs, message):
     result = invoke(runner, "compile", GPT2, "--model-config", json.dumps(GPT2_CONFIG), "--inputs", inputs, ok=False)
-    _one_line_error(result, "--inputs", message)
+    one_line_error(result, "--inputs", message)
 
 
 def test_error_model_config_that_is_not_a_config(runner, tmp_path):
-    _one_line_error(invoke(runner, "compile", GPT2, "--model-config", "gpt2", ok=False),
+    one_line_error(invoke(runner, "compile", GPT2, "--model-config", "gpt2", ok=False),
                     "no such file or folder", "nothing is downloaded")
-    _one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"n_layer": 2,', ok=False), "not valid JSON")
-    _one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"model_type": "llama"}', ok=False),
+    one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"n_layer": 2,', ok=False), "not valid JSON")
+    one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"model_type": "llama"}', ok=False),
                     "a 'llama' config", "'gpt2'")
-    _one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"n_embd": 63, "n_head": 2}', ok=False),
+    one_line_error(invoke(runner, "compile", GPT2, "--model-config", '{"n_embd": 63, "n_head": 2}', ok=False),
                     "cannot be built from this config", "divisible")
 
 
 def test_train_refuses_hf_models_and_keyword_inputs(runner):
-    _one_line_error(invoke(runner, "train", GPT2, ok=False), "does not train Hugging Face models")
-    _one_line_error(invoke(runner, "train", "gpt-tiny", "--inputs", "x=int64[2,8]:0..96", ok=False),
+    one_line_error(invoke(runner, "train", GPT2, ok=False), "does not train Hugging Face models")
+    one_line_error(invoke(runner, "train", "gpt-tiny", "--inputs", "x=int64[2,8]:0..96", ok=False),
                     "positional --inputs only")
 
 
@@ -184,4 +177,4 @@ def test_a_field_the_config_does_not_have_is_warned(runner):
 
 def test_error_transformers_not_installed(runner, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
-    _one_line_error(invoke(runner, "compile", GPT2, ok=False), "needs the transformers package", "pip install")
+    one_line_error(invoke(runner, "compile", GPT2, ok=False), "needs the transformers package", "pip install")
