@@ -121,7 +121,7 @@ def compile(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict, seed=config.seed,
         spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision),
     )
-    state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, store=store)
+    state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, rank_of_shards=comm.rank, store=store)
     if config.mixed_precision is not None:
         _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model, comm.rank)

@@ -16,6 +16,7 @@ forward runs inside the autograd bridge ([Note: how the programs meet autograd] 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
@@ -28,6 +29,7 @@ from fxzero.config.batch import BatchSizes
 from fxzero.ir.instruction import Instruction
 from fxzero.ir.signature import flatten_call
 from fxzero.runtime import checkpoint
+from fxzero.runtime.agreement import agree
 from fxzero.runtime.autograd import RunProgram
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
@@ -36,8 +38,9 @@ from fxzero.runtime.optimizer import ShardedOptimizer
 from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import optim_step
 from fxzero.runtime.state import RankState
+from fxzero.runtime.user_module import UserModule
 from fxzero.runtime.storage.pool import BufferPool
-from fxzero.schedule.validate import collective_sequence, first_difference, sequence_digest
+from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
 
 __all__ = ["Engine", "Runners"]
@@ -104,6 +107,12 @@ class Engine:
         self.training_dataloader: Any = None
         """The loader `fxzero.initialize` built (its position is saved in checkpoints), or None."""
         self._failed_load: Optional[str] = None
+        self._no_sync = False  # inside engine.no_sync(): backwards keep their gradients unreduced
+        self._step_applied = False
+        mp = config.mixed_precision
+        self._user = UserModule(model, state, comm, compute_dtype=mp.param_dtype if mp is not None else None,
+                                timeout=config.collective_timeout)
+        """Keeps the user's module a view of what this engine trains ([Note: the user's module])."""
 
     # -- programs --------------------------------------------------------------------------
 
@@ -162,22 +171,10 @@ class Engine:
         return self._cache[key]
 
     def _agree(self, runners: Runners) -> None:
-        """[Note: one collective sequence] Before any collective of a step, every rank checks that
-        every rank's program issues the same collectives: one 8-byte all-gather per forward. Ranks
-        whose inputs differ in shape compile and cache their own programs, and train; ranks whose
-        collectives would differ all raise here, naming the first difference, instead of hanging."""
-        if self.world_size == 1:
-            return
-        mine = torch.tensor([runners.digest], dtype=torch.int64)
-        digests = torch.empty(self.world_size, dtype=torch.int64)
-        try:
-            self.comm.all_gather(digests, mine, count=False).wait()
-        except Exception as e:
-            raise RuntimeError(f"[rank {self.rank}] the other ranks did not reach the start of this forward within "
-                               f"Config.collective_timeout={self.config.collective_timeout:g} s (a rank died, or is "
-                               f"still in another program). {e}") from e
-        if (digests != runners.digest).any():  # every rank sees it: all take this branch together
-            raise first_difference(self.comm.all_gather_object(runners.sequence), rank=self.rank)
+        """Every rank's program issues the same collectives ([Note: one collective sequence] in
+        `fxzero/runtime/agreement.py`): one 8-byte all-gather per forward."""
+        agree(self.comm, runners.sequence, digest=runners.digest, timeout=self.config.collective_timeout,
+              where="the start of this forward (still in another program?)")
 
     @property
     def program(self) -> CompiledProgram:
@@ -245,6 +242,8 @@ class Engine:
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
             self.state.buffers[fqn] = value
+        if n_buf:
+            self._user.bind_buffers()
         saved = results[n_out + n_buf :]
         if not for_backward:
             kept = set(runners.forward.program.kept_names)
@@ -268,8 +267,9 @@ class Engine:
         # A backward after the first of an accumulation adds into the gradient shards held ...
         runner.accumulate_grads = bool(self.state.grads)
         # ... or, accumulating locally, into the full gradients kept, reducing only at the boundary.
-        runner.unreduced = self._unreduced if self.config.gradient_accumulation == "local" else None
-        runner.defer_reduction = runner.unreduced is not None and not self.control.boundary
+        local = self.config.gradient_accumulation == "local" or self._no_sync or bool(self._unreduced)
+        runner.unreduced = self._unreduced if local else None
+        runner.defer_reduction = self._no_sync or (local and not self.control.boundary)
         results = runner.run(env, self._record)
         if runner.defer_reduction:
             return  # ([Note: accumulating locally] in executor.py): no gradient shard yet
@@ -351,6 +351,7 @@ class Engine:
         if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         boundary = self.control.boundary
+        self._step_applied = False
         self.control.micro_steps += 1
         if not boundary:
             return
@@ -362,10 +363,15 @@ class Engine:
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
+        if self._no_sync:
+            raise RuntimeError(f"[rank {self.rank}] step() inside engine.no_sync(): the gradients of the backwards "
+                               "in it are not reduced yet; leave the block and run one more backward first")
         update = self.control.agree(self.layouts)
+        self._step_applied = update
         if update:
             runner.run(self._bind(runner, self._stepping.compiled.programs["step"], {}), self._record)
         grads.clear()
+        self._user.bind()  # (the step updated in place: only a unit whose storage moved is rebound)
         self.control.stepped(self.optimizer, skipped=not update)
         self._log.stepped(self)
 
@@ -373,7 +379,10 @@ class Engine:
 
     @property
     def module(self) -> nn.Module:
-        """The model the engine was built from (on the meta device when built there)."""
+        """The model the engine was built from, a view of what it trains: parameters this rank
+        holds whole are views of the trained values, parameters sharded at ZeRO-3 are meta-device
+        placeholders, and `state_dict()` gathers the trained values ([Note: the user's module] in
+        `fxzero/runtime/user_module.py`)."""
         return self._model
 
     @property
@@ -411,6 +420,77 @@ class Engine:
 
     def zero_optimization_stage(self) -> int:
         return self.config.stage
+
+    def fp16_enabled(self) -> bool:
+        mp = self.config.mixed_precision
+        return mp is not None and mp.param_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        mp = self.config.mixed_precision
+        return mp is not None and mp.param_dtype == torch.bfloat16
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters (False between accumulation boundaries
+        and on a step skipped for a float16 overflow)."""
+        return self._step_applied
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside the block keep their gradients whole on this rank, unreduced; the first
+        backward after it reduces them with its own (DeepSpeed's and DDP's `no_sync`). Costs the
+        full gradients of the model in memory meanwhile; `step()` inside is an error."""
+        if self._no_sync:
+            raise RuntimeError(f"[rank {self.rank}] engine.no_sync() inside engine.no_sync(): nest it once")
+        if self.config.offload.step_in_backward:
+            raise RuntimeError(f"[rank {self.rank}] engine.no_sync() with Offload(step_in_backward=True): that "
+                               "backward updates the parameters itself, so its gradients cannot wait; drop one")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def parameters(self, recurse: bool = True):
+        """The module's parameters ([Note: the user's module]: placeholders where sharded)."""
+        return self._model.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state dict with the trained values (`module.state_dict()`; a collective at
+        ZeRO-3). The whole training state is `save_checkpoint`'s."""
+        return self._model.state_dict(*args, **kwargs)
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """DeepSpeed's name for `module.state_dict()`, optionally without frozen parameters."""
+        sd = self._model.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self._model.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def empty_partition_cache(self) -> None:
+        """Release gathered parameter buffers held between steps (the pool's idle buffers)."""
+        self._pool.clear()
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside Python's reach (offload I/O, NVMe files); DeepSpeed's
+        name for `close()`."""
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine lacks are the module's (DeepSpeed's engine forwards them too):
+        `engine.config` is the engine's, `engine.generation_config` the model's."""
+        if name.startswith("__") or "_model" not in self.__dict__:
+            raise AttributeError(name)
+        try:
+            return getattr(self.__dict__["_model"], name)
+        except AttributeError:
+            raise AttributeError(f"neither the fxzero Engine nor its module {type(self.__dict__['_model']).__name__} "
+                                 f"has an attribute {name!r}") from None
 
     def train(self, mode: bool = True) -> "Engine":
         """Set the model's training mode (each mode runs its own compiled program)."""
@@ -451,10 +531,13 @@ class Engine:
         """Load what `save_checkpoint` saved, on any world size and stage: `(path, client_state)`,
         or `(None, None)` with a warning when `load_dir` has no `latest` and no tag is given.
         A collective: every rank calls it."""
-        return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
-                                          load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+        try:
+            return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                              load_optimizer_states=load_optimizer_states,
+                                              load_lr_scheduler_states=load_lr_scheduler_states,
+                                              load_module_only=load_module_only)
+        finally:
+            self._user.bind(force=True)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> Optional[str]:

@@ -11,7 +11,7 @@ them as the user sees them: the full state dict and the memory report.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,20 @@ from fxzero.ir.layout import UnitLayout
 from fxzero.runtime.comm import Comm, Pending
 from fxzero.runtime.storage.offload_store import OffloadStore
 
-__all__ = ["RankState", "storage_bytes"]
+__all__ = ["RankState", "install", "state_dict_keys", "storage_bytes"]
+
+
+def state_dict_keys(model: nn.Module) -> list[str]:
+    """The keys `model.state_dict()` has, in its order (parameters, aliases included, and
+    persistent buffers), read without calling it, so no state-dict hook runs."""
+    return list(model.state_dict(keep_vars=True))  # (keep_vars: the user module's hooks gather nothing)
+
+
+def install(current: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+    """`values` into `current` in place where it fits (views of it stay current), else itself."""
+    if current is not None and current.shape == values.shape and current.dtype == values.dtype:
+        return current.copy_(values)
+    return values
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -43,6 +56,8 @@ class RankState:
     buffers: dict[str, torch.Tensor]
     offloaded_params: frozenset[str] = frozenset()
     """Units whose parameter shards live in `store`."""
+    rank_of_shards: int = 0
+    """This rank: which slice of each unit's flat buffer `params` holds."""
     store: Optional[OffloadStore] = None
     grads: dict[str, Any] = dataclasses.field(default_factory=dict)
     """unit -> gradient shard, or its reduce-scatter still in flight (a `Pending`), or the
@@ -83,22 +98,85 @@ class RankState:
             if isinstance(grad, Pending):
                 self.grads[unit] = grad.wait()
 
+    def local_shard(self, unit: str, compute: bool = False) -> torch.Tensor:
+        """This rank's shard of `unit`'s flat buffer, wherever it lives: the fp32 master, or with
+        `compute` the copy in the compute dtype (the master itself in fp32)."""
+        layout = self.layout(unit)
+        if compute and self.low and layout.dtype.is_floating_point:
+            if unit in self.offloaded_params:
+                return self.store.get("low", unit)
+            low = self.low[unit]
+            if unit in self.whole:
+                lo, hi = layout.shard_range(self.rank_of_shards)
+                return low[lo:hi]
+            return low
+        if unit in self.offloaded_params:
+            return self.store.get("param", unit)
+        if self.master_is_whole(unit):
+            lo, hi = layout.shard_range(self.rank_of_shards)
+            return self.params[unit][lo:hi]
+        return self.params[unit]
+
+    def whole_buffer(self, unit: str, compute: bool = False) -> Optional[torch.Tensor]:
+        """`unit`'s whole flat buffer where this rank holds it (else None): the fp32 masters, or
+        with `compute` the values in the compute dtype."""
+        if unit in self.offloaded_params or unit not in self.whole:
+            return None
+        if compute and unit in self.low:
+            return self.low[unit]
+        return self.params[unit] if self.master_is_whole(unit) or unit not in self.low else None
+
+    def full_unit(self, unit: str, comm: Comm, compute: bool = False) -> torch.Tensor:
+        """`unit`'s whole flat buffer (padding included), a new tensor: the fp32 masters, or with
+        `compute` the values in the compute dtype. A collective where the unit is sharded (every
+        rank calls it for the same units in the same order); uncounted in comm_report()."""
+        layout = self.layout(unit)
+        whole = self.whole_buffer(unit, compute)
+        if whole is not None:
+            return whole.clone()
+        shard = self.local_shard(unit, compute)
+        flat = torch.empty(layout.padded_numel, dtype=shard.dtype)
+        comm.all_gather(flat, shard.contiguous(), count=False).wait()
+        return flat
+
     @torch.no_grad()
-    def full_state_dict(self, model: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
-        """Full parameters and this rank's buffers, keyed like `model.state_dict()`.
+    def install_unit(self, unit: str, values: Callable[[int, int], torch.Tensor],
+                     low_dtype: Optional[torch.dtype]) -> None:
+        """Replace `unit`'s parameter values on this rank with `values(lo, hi)` (elements [lo, hi)
+        of its flat buffer, in the master dtype), wherever they live: the master shard (or a unit
+        held whole's full buffer), and with mixed precision its copy in `low_dtype` computed from
+        it, as the step program computes it. Buffers already held are written in place, so views
+        of them (the user's module, [Note: the user's module]) stay current."""
+        layout = self.layout(unit)
+        lo, hi = layout.shard_range(self.rank_of_shards)
+        if unit in self.whole:
+            full = values(0, layout.padded_numel)
+            if unit in self.low:
+                self.low[unit] = install(self.low[unit], full.to(low_dtype))
+                self.params[unit] = install(self.params.get(unit), full[lo:hi].clone())
+            else:
+                self.params[unit] = install(self.params.get(unit), full)
+            return
+        shard = values(lo, hi)
+        if unit in self.offloaded_params:
+            self.store.put("param", unit, shard)
+            if low_dtype is not None and shard.is_floating_point():
+                self.store.put("low", unit, shard.to(low_dtype))
+            return
+        self.params[unit] = install(self.params.get(unit), shard)
+        if unit in self.low:
+            self.low[unit] = install(self.low[unit], shard.to(low_dtype))
+
+    @torch.no_grad()
+    def full_state_dict(self, model: nn.Module, comm: Comm, compute: bool = False) -> dict[str, torch.Tensor]:
+        """Full parameters and this rank's buffers, keyed like `model.state_dict()`: the fp32
+        masters, or with `compute` the values in the compute dtype.
 
         A collective: every rank must call it. Its traffic is not counted in comm_report().
         """
         full: dict[str, torch.Tensor] = {}
         for layout in self.layouts:
-            if self.master_is_whole(layout.name):
-                flat = self.params[layout.name]
-            else:
-                shard = self.params.get(layout.name)
-                if layout.name in self.offloaded_params:
-                    shard = self.store.get("param", layout.name)
-                flat = torch.empty(layout.padded_numel, dtype=layout.dtype)
-                comm.all_gather(flat, shard, count=False).wait()
+            flat = self.full_unit(layout.name, comm, compute)
             for slot in layout.slots:
                 full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         out = {}
@@ -107,8 +185,7 @@ class RankState:
             out[fqn] = full[first.setdefault(id(p), fqn)]
         for fqn, _ in model.named_buffers(remove_duplicate=False):
             out[fqn] = self.buffers[fqn].clone()
-        order = list(model.state_dict(keep_vars=True).keys())
-        return {k: out[k] for k in order if k in out}
+        return {k: out[k] for k in state_dict_keys(model) if k in out}
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds now, by category (gradients in flight are settled first).

@@ -135,8 +135,12 @@ def first_difference(sequences: list[tuple[str, ...]], *, rank: int) -> RuntimeE
     (a, ranks_a), (b, ranks_b) = list(groups.items())[:2]
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     at = lambda seq: seq[i] if i < len(seq) else "(nothing: its step ends)"  # noqa: E731
+    hint = ("Every rank must compile the same collectives: the same model, config and training mode on every rank, "
+            "and no Python branch in the forward on an input's shape or values (shapes may differ; the branches "
+            "they take may not)")
+    if any(s and not s[0].startswith(("forward:", "backward:", "step:")) for s in (a, b)):
+        hint = ("Gathering the model's parameters (model.state_dict() at ZeRO-3, fxzero.zero.GatheredParameters) "
+                "is a collective: call it on every rank at the same point, for the same module and parameters")
     return RuntimeError(
         f"[rank {rank}] the ranks' programs would issue different collectives, which would hang: at collective "
-        f"{i}, ranks {ranks_a} issue {at(a)} and ranks {ranks_b} issue {at(b)}. Every rank must compile the same "
-        "collectives: the same model, config and training mode on every rank, and no Python branch in the "
-        "forward on an input's shape or values (shapes may differ; the branches they take may not)")
+        f"{i}, ranks {ranks_a} issue {at(a)} and ranks {ranks_b} issue {at(b)}. {hint}")

@@ -197,7 +197,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     buffers = {fqn: b for fqn, b in state.buffers.items() if fqn in persistent}
     declared = {slot.fqn: Entry(slot.fqn, compute[lay.name], tuple(slot.shape)) for lay in layouts for slot in lay.slots}
     declared.update({fqn: Entry(fqn, b.dtype, tuple(b.shape)) for fqn, b in buffers.items()})
-    order = [fqn for fqn, _, _ in fmt.model_tensors(module) if fqn in declared]  # the model's order
+    order = [fqn for fqn, _, _ in fmt.model_tensors(module, engine.layouts) if fqn in declared]  # the model's order
     path = os.path.join(save_dir, save_filename)
 
     failure: Optional[BaseException] = None

@@ -75,10 +75,14 @@ def planner_path(key: str, fqn: str) -> tuple[str, ...]:
     return ("optim", "state", fqn, state)
 
 
-def model_tensors(model: nn.Module) -> list[tuple[str, list[int], str]]:
-    """(FQN, shape, dtype) of the model's parameters (each once) and persistent buffers."""
+def model_tensors(model: nn.Module, layouts) -> list[tuple[str, list[int], str]]:
+    """(FQN, shape, dtype) of the model's parameters (each once, in the dtype of its unit's
+    layout: the model as built, whatever dtype its module holds while training) and persistent
+    buffers."""
     keys = set(model.state_dict(keep_vars=True))
-    out = [(f, list(p.shape), str(p.dtype).removeprefix("torch.")) for f, p in model.named_parameters()]
+    dtype = {slot.fqn: layout.dtype for layout in layouts for slot in layout.slots}
+    out = [(f, list(p.shape), str(dtype.get(f, p.dtype)).removeprefix("torch."))
+           for f, p in model.named_parameters()]
     out += [(f, list(b.shape), str(b.dtype).removeprefix("torch.")) for f, b in model.named_buffers() if f in keys]
     return out
 

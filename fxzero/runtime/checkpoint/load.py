@@ -22,6 +22,7 @@ import torch
 from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.files import CheckpointError
 from fxzero.runtime.checkpoint.reader import CheckpointReader
+from fxzero.runtime.state import install
 
 __all__ = ["load_checkpoint", "resolve_checkpoint"]
 
@@ -47,7 +48,7 @@ def resolve_checkpoint(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 def _check_model(reader: CheckpointReader, engine) -> None:
-    mine = fmt.model_tensors(engine.module)
+    mine = fmt.model_tensors(engine.module, engine.layouts)
     if fmt.fingerprint(mine) == reader.manifest["fingerprint"]:
         return
     saved = {t[0]: t for t in reader.manifest["tensors"]}
@@ -74,37 +75,13 @@ def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int) -> to
     return out
 
 
-def _install(current: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
-    if current is not None and current.shape == values.shape and current.dtype == values.dtype:
-        return current.copy_(values)
-    return values
-
-
 @torch.no_grad()
 def _load_params(engine, reader: CheckpointReader) -> None:
-    state, rank = engine.state, engine.rank
     mp = engine.config.mixed_precision
     low_dtype = mp.param_dtype if mp is not None else None
     for layout in engine.layouts:
-        unit = layout.name
-        lo, hi = layout.shard_range(rank)
-        if unit in state.whole:
-            full = _read_unit(reader, layout, fmt.param_key, 0, layout.padded_numel)
-            if unit in state.low:
-                state.low[unit] = _install(state.low[unit], full.to(low_dtype))
-                state.params[unit] = _install(state.params.get(unit), full[lo:hi].clone())
-            else:
-                state.params[unit] = _install(state.params.get(unit), full)
-            continue
-        shard = _read_unit(reader, layout, fmt.param_key, lo, hi)
-        if unit in state.offloaded_params:
-            state.store.put("param", unit, shard)
-            if low_dtype is not None and shard.is_floating_point():
-                state.store.put("low", unit, shard.to(low_dtype))
-            continue
-        state.params[unit] = _install(state.params.get(unit), shard)
-        if unit in state.low:
-            state.low[unit] = _install(state.low[unit], shard.to(low_dtype))
+        engine.state.install_unit(layout.name, lambda lo, hi, layout=layout: _read_unit(
+            reader, layout, fmt.param_key, lo, hi), low_dtype)
 
 
 @torch.no_grad()
@@ -129,7 +106,7 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
                 state.store.put(kind, unit, shard)
             else:
                 held = state.optimizer_states.setdefault(unit, {})
-                held[kind] = _install(held.get(kind), shard)
+                held[kind] = install(held.get(kind), shard)
         step = max(steps) if steps else 0
         if step:
             state.steps[unit] = step

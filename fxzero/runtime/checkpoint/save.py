@@ -344,7 +344,7 @@ def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state
         writer.close()
         files[name] = {"bytes": writer.size, "xxh3": writer.checksum}
     config, mp = engine.config, engine.config.mixed_precision
-    tensors = fmt.model_tensors(engine.module)
+    tensors = fmt.model_tensors(engine.module, engine.layouts)
     manifest = {
         "format": fmt.FORMAT, "version": fmt.VERSION, "tag": tag, "torch": torch.__version__,
         "world_size": engine.world_size, "stage": config.stage,

@@ -1,0 +1,258 @@
+"""The user's module after `fxzero.compile`: a view of what the engine trains, never a stale copy.
+
+[Note: the user's module]
+The engine trains its own storage (`RankState`): flat buffers per unit, sharded across ranks.
+The module the user passed (and `engine.module`, the same object) is kept consistent with it:
+
+- A parameter whose whole value this rank holds (every unit at ZeRO-1/2, a persistent unit at
+  ZeRO-3) is a view of that value: of the copy in the compute dtype under mixed precision (as
+  DeepSpeed's module is cast to bf16/fp16), of the fp32 parameters otherwise. Reading it gives
+  the trained value after every step; calling the module directly runs with them.
+- A parameter sharded across ranks (ZeRO-3) is a placeholder on the meta device, of its shape and
+  compute dtype: `numel()`, `shape`, `requires_grad` read as before, but no value exists on any
+  rank, and reading one is an error, never a stale value. (DeepSpeed leaves empty tensors.)
+  Calling the module, or a submodule owning such parameters, directly is an error naming the
+  engine; `fxzero.zero.GatheredParameters` gathers them for eager use.
+- Buffers are the engine's own (BatchNorm's running statistics as the last forward left them).
+- `model.state_dict()`, or any submodule's, and so Hugging Face's `save_pretrained()`, gives the
+  trained values: placeholders are filled by gathering their units, one unit at a time, in the
+  compute dtype (DeepSpeed's `zero3_consolidated_16bit_state_dict`). At ZeRO-3 that is a
+  collective: every rank calls it, and ranks that disagree raise rather than hang
+  ([Note: one collective sequence]). `state_dict(keep_vars=True)` returns the parameters
+  themselves, placeholders included, and gathers nothing (fxzero's own code lists keys with it).
+  `engine.full_state_dict()` gives the fp32 masters.
+
+The parameter objects keep their identity throughout (`torch.utils.swap_tensors` where a value
+moves between the meta device and memory), so references the user holds (an optimizer's param
+list, `model.lm_head.weight`) stay the module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from fxzero.ir.layout import ParamSlot, UnitLayout
+from fxzero.runtime.agreement import agree
+from fxzero.runtime.comm import Comm
+from fxzero.runtime.state import RankState
+
+__all__ = ["UserModule", "binding_of"]
+
+_BINDING = "_fxzero_binding"
+"""The attribute each bound parameter carries: (its `UserModule`, its FQN)."""
+
+
+def binding_of(param: torch.Tensor) -> Optional[tuple["UserModule", str]]:
+    """The `UserModule` that keeps `param` (and its FQN), or None for a tensor fxzero does not manage."""
+    return getattr(param, _BINDING, None)
+
+
+def _set(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value` (a view, shared), keeping the Parameter object itself."""
+    if param.device == value.device:
+        param.data = value
+        return
+    # (set_data cannot move a tensor between the meta device and memory: swap the objects' contents)
+    moved = nn.Parameter(value, requires_grad=param.requires_grad)
+    moved.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, moved)
+
+
+class UserModule:
+    """Keeps the user's module a view of this rank's `RankState` ([Note: the user's module])."""
+
+    def __init__(self, model: nn.Module, state: RankState, comm: Comm, *, compute_dtype: Optional[torch.dtype],
+                 timeout: float) -> None:
+        """
+        Args:
+            compute_dtype: what the model computes in under mixed precision (None: fp32 training).
+            timeout: seconds a gather waits for the other ranks (`Config.collective_timeout`).
+        """
+        self.model, self.state, self.comm = model, state, comm
+        self.compute_dtype = compute_dtype
+        self.timeout = timeout
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=True))
+        self.slot: dict[str, tuple[UnitLayout, ParamSlot]] = {
+            slot.fqn: (layout, slot) for layout in state.layouts for slot in layout.slots}
+        self._module_fqn = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
+        buffer_first: dict[int, str] = {}
+        self._buffer_owners = [(owner, name, buffer_first.setdefault(id(b), fqn))
+                               for fqn, b, owner, name in _named_buffers(model)]
+        self._bound: dict[str, Optional[int]] = {}  # unit -> id of the storage its params view (None: placeholders)
+        self._gathered: set[str] = set()  # FQNs GatheredParameters holds full right now
+        self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
+        for fqn, p in self.params.items():
+            setattr(p, _BINDING, (self, fqn))
+        self._hooks = []
+        pre, post = _function(self._state_dict_pre_hook), _function(self._state_dict_post_hook)
+        refuse = _function(self._refuse_placeholders)
+        for module in model.modules():
+            self._hooks.append(module.register_state_dict_pre_hook(pre))
+            self._hooks.append(module.register_state_dict_post_hook(post))
+            if any(p is not None for p in module._parameters.values()):
+                self._hooks.append(module.register_forward_pre_hook(refuse))
+        self.bind(force=True)
+
+    # -- binding ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def bind(self, force: bool = False) -> None:
+        """Point every parameter at what the engine holds now (after a step, a load, a gather),
+        and every buffer at the engine's. Cheap when nothing moved: units whose storage is the
+        one already viewed are skipped."""
+        for layout in self.state.layouts:
+            whole = self.state.whole_buffer(layout.name, compute=True)
+            key = id(whole) if whole is not None else None
+            if not force and layout.name in self._bound and self._bound[layout.name] == key:
+                continue
+            self._bound[layout.name] = key
+            for slot in layout.slots:
+                if slot.fqn in self._gathered:
+                    continue
+                if whole is not None:
+                    value = whole[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                else:
+                    dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
+                    value = torch.empty(slot.shape, dtype=dtype, device="meta")
+                _set(self.params[slot.fqn], value)
+        self.bind_buffers()
+
+    def bind_buffers(self) -> None:
+        buffers = self.state.buffers
+        for owner, name, fqn in self._buffer_owners:
+            value = buffers.get(fqn)
+            if value is not None and owner._buffers.get(name) is not value:
+                owner._buffers[name] = value
+
+    def placeholders(self) -> list[str]:
+        """FQNs of the parameters with no value on this rank (sharded, not gathered)."""
+        return [fqn for fqn, p in self.params.items() if p.is_meta]
+
+    # -- gathering --------------------------------------------------------------------------
+
+    def _units_of(self, fqns: Iterable[str]) -> list[UnitLayout]:
+        """The units holding `fqns`, in layout order (the same order on every rank)."""
+        wanted = {self.slot[f][0].name for f in fqns}
+        return [layout for layout in self.state.layouts if layout.name in wanted]
+
+    def gather(self, fqns: Iterable[str], *, compute: bool, what: str) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+        """(layout, full flat buffer) of every unit holding `fqns`, one at a time: a collective
+        where a unit is sharded, agreed on by every rank first. `compute`: in the compute dtype
+        (else the fp32 masters)."""
+        layouts = self._units_of(fqns)
+        sharded = [lay for lay in layouts if self.state.whole_buffer(lay.name, compute) is None]
+        sequence = tuple(f"{what}: all_gather of {lay.name} ({lay.padded_numel} x "
+                         f"{self.compute_dtype if compute and self.compute_dtype else lay.dtype})" for lay in sharded)
+        if sharded:
+            agree(self.comm, sequence, timeout=self.timeout, where=f"{what} (at ZeRO-3 it gathers: call it on every rank)")
+        for layout in layouts:
+            yield layout, self.state.full_unit(layout.name, self.comm, compute=compute)
+
+    # -- state_dict -------------------------------------------------------------------------
+
+    def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._outer is None or prefix == "":  # (the outermost call; a stale one from an error is replaced)
+            self._outer = (id(module), prefix, keep_vars)
+
+    def _state_dict_post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        if self._outer is None or self._outer[:2] != (id(module), prefix):
+            return  # an inner module: the outermost call fills everything once
+        keep_vars = self._outer[2]
+        self._outer = None
+        if keep_vars:
+            return
+        base = self._module_fqn.get(id(module), "")
+        wanted: dict[str, list[str]] = {}  # FQN -> its keys in this state dict (aliases of a tied one)
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and isinstance(value, torch.Tensor) and value.is_meta:
+                fqn = self._unique_fqn(base, key[len(prefix):])
+                if fqn is not None:
+                    wanted.setdefault(fqn, []).append(key)
+        if not wanted:
+            return
+        name = "model.state_dict()" if module is self.model else f"{type(module).__name__}.state_dict()"
+        for layout, flat in self.gather(wanted, compute=True, what=name):
+            for slot in layout.slots:
+                if slot.fqn in wanted:  # (a tied parameter: one tensor under each of its names, as eager's)
+                    value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                    for key in wanted[slot.fqn]:
+                        state_dict[key] = value
+
+    def _unique_fqn(self, base: str, rel: str) -> Optional[str]:
+        """The FQN fxzero keys `rel` (relative to the module at `base`) by: the first name of a tied one."""
+        fqn = f"{base}.{rel}" if base else rel
+        if fqn in self.slot:
+            return fqn
+        owner_path, _, attr = fqn.rpartition(".")
+        try:
+            param = self.model.get_submodule(owner_path).get_parameter(attr) if owner_path else \
+                self.model.get_parameter(attr)
+        except AttributeError:
+            return None
+        found = binding_of(param)
+        return found[1] if found is not None and found[0] is self else None
+
+    # -- direct calls -----------------------------------------------------------------------
+
+    def _refuse_placeholders(self, module: nn.Module, args: Any) -> None:
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta and binding_of(p) is not None:
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] {type(module).__name__} ({self._module_fqn.get(id(module)) or 'the model'})"
+                    f" was called directly, but its parameter {name!r} is sharded across the ranks (ZeRO-3): no rank "
+                    "holds its value. Call the engine instead (engine(...) gathers each unit as it computes), or "
+                    "gather for eager use on every rank: with fxzero.zero.GatheredParameters(model.parameters()): ...")
+
+    # -- GatheredParameters -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered(self, fqns: list[str], modifier_rank: Optional[int]) -> Iterator[None]:
+        """Full fp32 values in the parameters `fqns` for the block's duration; with
+        `modifier_rank`, that rank's values at the end become every rank's (its shard, the
+        compute-dtype copy, a tier), else changes are dropped. A collective."""
+        fqns = [f for f in fqns if f not in self._gathered]  # (nested: the outer block owns them)
+        flats = {}
+        for layout, flat in self.gather(fqns, compute=False, what="GatheredParameters"):
+            flats[layout.name] = flat
+            for slot in layout.slots:
+                if slot.fqn in fqns:
+                    _set(self.params[slot.fqn], flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        self._gathered.update(fqns)
+        try:
+            yield
+        finally:
+            self._gathered.difference_update(fqns)
+            try:
+                if modifier_rank is not None and flats:
+                    self._write_back(flats, modifier_rank)
+            finally:
+                self.bind(force=True)
+
+    @torch.no_grad()
+    def _write_back(self, flats: dict[str, torch.Tensor], modifier_rank: int) -> None:
+        low_dtype = self.compute_dtype
+        for unit, flat in flats.items():
+            if self.comm.world_size > 1:  # modifier_rank's bits to every rank: the others add zeros
+                bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[flat.element_size()])
+                if self.comm.rank != modifier_rank:
+                    bits.zero_()
+                self.comm.all_reduce(bits, count=False).wait()
+            self.state.install_unit(unit, lambda lo, hi, flat=flat: flat[lo:hi], low_dtype)
+
+
+def _function(method):
+    """A plain function calling `method` (torch marks hooks with attributes, which a bound method
+    cannot take)."""
+    return lambda *args: method(*args)
+
+
+def _named_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, str]]:
+    """(FQN, buffer, owning module, attribute) of every buffer, aliases included."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, b in module._buffers.items():
+            if b is not None:
+                yield (f"{prefix}.{name}" if prefix else name), b, module, name
