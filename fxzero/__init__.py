@@ -38,6 +38,7 @@ _EXPORTS = {
     "WarmupCosineLR": "fxzero.config.schedules",
     "WarmupDecayLR": "fxzero.config.schedules",
     "WarmupLR": "fxzero.config.schedules",
+    "add_config_arguments": "fxzero.deepspeed_api",
     "compile": "fxzero.api",
     "init_distributed": "fxzero.deepspeed_api",
     "initialize": "fxzero.deepspeed_api",
@@ -45,10 +46,16 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it."""
 
+_SUBMODULES = ("accelerator", "comm", "moe", "utils", "zero")
+"""DeepSpeed's namespaces fxzero provides (`deepspeed.zero.Init` -> `fxzero.zero.Init`), loaded as
+attributes on first use."""
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fxzero.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fxzero' has no attribute {name!r}")

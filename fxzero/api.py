@@ -11,6 +11,7 @@ compiles a new input signature's program through that function, never importing 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Iterable, Mapping, Optional
@@ -47,6 +48,15 @@ def _ensure_process_group() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+@contextlib.contextmanager
+def _rng_untouched():
+    """The global RNG as it was, whatever compiling drew (calibration, tracing): the same seed gives
+    a script the same data and dropout masks with fxzero as without it."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def compile(
     model: nn.Module,
     config: Optional[Config] = None,
@@ -69,6 +79,11 @@ def compile(
         model_parameters: the parameters, or param groups (dicts of "params" and options such as
             "weight_decay"), as a torch optimizer takes them; None: one group of all.
     """
+    with _rng_untouched():
+        return _compile(model, config, state_dict, model_parameters)
+
+
+def _compile(model, config, state_dict, model_parameters) -> Engine:
     if config is None:
         config = Config()
     if isinstance(config, (dict, str, os.PathLike)):
@@ -94,7 +109,8 @@ def compile(
         raise ValueError(f"[rank {comm.rank}] the batch sizes imply gradient_accumulation_steps="
                          f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
                          "backward: drop step_in_backward, or make the batch sizes imply one micro-step")
-    seeded = state_dict is None and any(p.is_meta for p in model.parameters())
+    record = getattr(model, "_fxzero_zero_init", None)  # built under fxzero.zero.Init ([Note: zero.Init])
+    seeded = state_dict is None and record is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
     warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)
@@ -118,7 +134,8 @@ def compile(
         if store.offloaded("param"):
             spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
     params, buffers = materialize(
-        model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict, seed=config.seed,
+        model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict,
+        seed=record.rng_state if record is not None else config.seed,
         spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision),
     )
     state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, rank_of_shards=comm.rank, store=store)
@@ -164,6 +181,11 @@ def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
 
 
 def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only=False):
+    with _rng_untouched():
+        return _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only)
+
+
+def _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only):
     try:
         return compile_program(model, args, config, world_size=world_size, layouts=layouts, cost_model=cost_model,
                                kwargs=kwargs, forward_only=forward_only)

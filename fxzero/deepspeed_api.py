@@ -1,4 +1,4 @@
-"""DeepSpeed's entry points on fxzero: `init_distributed` and `initialize`.
+"""DeepSpeed's entry points on fxzero: `init_distributed`, `initialize`, `add_config_arguments`.
 
     import fxzero as deepspeed
     deepspeed.init_distributed()
@@ -28,7 +28,7 @@ from fxzero.config import Adagrad, Adam, AdamW, Config, OptimizerPolicy
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
 
-__all__ = ["init_distributed", "initialize"]
+__all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
 _TORCH_OPTIMIZER_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                              "differentiable": False, "fused": None, "decoupled_weight_decay": None}
@@ -38,7 +38,9 @@ _TORCH_OPTIMIZER_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": Non
 def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
                      init_method: Optional[str] = None, rank: int = -1, world_size: int = -1,
                      **ignored: Any) -> None:
-    """Join the process group the launcher (torchrun) set up; a world of one needs none.
+    """Join the process group the launcher (torchrun) set up. A world of one gets a process group
+    of one (in-process, no port), as under DeepSpeed, so a script's own `get_rank()` works; fxzero's
+    collectives skip it.
 
     Args:
         dist_backend: "gloo" or "nccl"; None: nccl with CUDA, else gloo.
@@ -54,9 +56,10 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
     if dist.is_initialized():
         return
     world = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return  # a world of one: fxzero runs without a process group
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if world <= 1 and init_method is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -143,6 +146,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ValueError("fxzero.initialize needs model=")
     if mpu is not None or mesh_param is not None:
         raise ValueError("fxzero is data parallel only: mpu (model parallelism) and mesh_param are not supported")
+    if config is None and config_params is None and getattr(args, "deepspeed_config", None) is None:
+        record = getattr(model, "_fxzero_zero_init", None)  # the config zero.Init was given
+        config = record.config if record is not None else None
     cfg, names_optimizer = _read_config(args, config, config_params)
     if optimizer is not None:
         if names_optimizer:
@@ -169,3 +175,17 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                                    drop_last=cfg.dataloader_drop_last, seed=cfg.seed)
         engine.training_dataloader = loader  # (its position is saved in checkpoints)
     return engine, engine.optimizer, loader, scheduler
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's command-line arguments, added to an argparse parser (`deepspeed.add_config_arguments`):
+    `--deepspeed` (a flag scripts test), `--deepspeed_config PATH` (read by `initialize(args=...)`),
+    and the deprecated `--deepscale` / `--deepscale_config`. Returns the parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration file.")
+    return parser

@@ -6,6 +6,7 @@
     fxzero estimate --params N|MODEL   per-rank memory of model states by ZeRO stage
     fxzero train MODEL --ranks N       train on N local ranks (torchrun) and record the artifacts
     fxzero export CKPT_DIR OUT         a checkpoint's model as one safetensors file (HF-loadable)
+    fxzero run [--num_gpus N] SCRIPT   a DeepSpeed program, unchanged: `import deepspeed` is fxzero
 
 The viewers only read recorded artifacts (`fxzero.artifacts`); options build `fxzero.Config`
 values and nothing else. A person's mistake ends in one line `Error: ...` and exit code 1.
@@ -19,6 +20,7 @@ from fxzero.cli.compile_cmd import compile_command
 from fxzero.cli.estimate_cmd import estimate_command
 from fxzero.cli.export_cmd import export_command
 from fxzero.cli.graph_cmd import graph_command
+from fxzero.cli.run_cmd import run_command
 from fxzero.cli.schedule_cmd import schedule_command
 from fxzero.cli.train_cmd import train_command
 
@@ -56,3 +58,4 @@ main.add_command(schedule_command)
 main.add_command(estimate_command)
 main.add_command(train_command)
 main.add_command(export_command)
+main.add_command(run_command)

@@ -113,6 +113,7 @@ class Engine:
         self._user = UserModule(model, state, comm, compute_dtype=mp.param_dtype if mp is not None else None,
                                 timeout=config.collective_timeout)
         """Keeps the user's module a view of what this engine trains ([Note: the user's module])."""
+        self._user.engine = self
 
     # -- programs --------------------------------------------------------------------------
 

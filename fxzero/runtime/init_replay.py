@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -296,8 +296,9 @@ class _Replay:
             for i, t in before.items():
                 self._set(i, t)
 
-    def values(self, seed: int) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """Plan, check, then replay every event under `seed` ([Note: plan, then replay])."""
+    def values(self, seed: Union[int, torch.Tensor]) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """Plan, check, then replay every event under `seed` ([Note: plan, then replay]): an int
+        for `torch.manual_seed`, or a CPU RNG state (`torch.get_rng_state()`) to start from."""
         flags = _hf_flags(self.model)
         plan = self.plan()
         _put_back_flags(flags)  # the dry run's _initialize_weights marked modules done
@@ -308,7 +309,10 @@ class _Replay:
         placeholders = [self._fresh(i, "meta") for i in range(len(self.owners))]
         for i, t in enumerate(placeholders):
             self._set(i, t)
-        torch.manual_seed(seed)
+        if isinstance(seed, torch.Tensor):
+            torch.random.set_rng_state(seed)
+        else:
+            torch.manual_seed(seed)
         for k, event in enumerate(self.events):
             if isinstance(event, Construct):
                 if k in rng_before:
@@ -409,7 +413,7 @@ def _put_back_flags(flags: dict[nn.Module, object]) -> None:
             m._is_hf_initialized = flag
 
 
-def initial_values(model: nn.Module, seed: int, stats: Optional[dict] = None
+def initial_values(model: nn.Module, seed: Union[int, torch.Tensor], stats: Optional[dict] = None
                    ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield ("param" | "buffer", fqn, value) for each tensor the model's own init gives.
 
@@ -418,8 +422,11 @@ def initial_values(model: nn.Module, seed: int, stats: Optional[dict] = None
     `_is_hf_initialized` flags) and so is the global RNG.
 
     Args:
+        seed: `torch.manual_seed`'s seed, or the CPU RNG state construction started from
+            (`fxzero.zero.Init` records it).
         stats: if given, `stats["peak_bytes"]` is set to the most bytes of full tensors the
-            replay held at once.
+            replay held at once, and `stats["rng_after"]` to the RNG state the replay ended in
+            (where eager construction would have left the global RNG).
 
     Raises:
         ValueError: for a meta parameter no init sets.
@@ -429,6 +436,8 @@ def initial_values(model: nn.Module, seed: int, stats: Optional[dict] = None
     rng_state = torch.random.get_rng_state()
     try:
         yield from replay.values(seed)
+        if stats is not None:
+            stats["rng_after"] = torch.random.get_rng_state()
     finally:
         replay.restore()
         _put_back_flags(flags)

@@ -30,6 +30,7 @@ list, `model.lm_head.weight`) stay the module's.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -87,6 +88,7 @@ class UserModule:
         self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
         for fqn, p in self.params.items():
             setattr(p, _BINDING, (self, fqn))
+        self._engine: Any = None  # a weak reference to the engine, set by it
         self._hooks = []
         pre, post = _function(self._state_dict_pre_hook), _function(self._state_dict_post_hook)
         refuse = _function(self._refuse_placeholders)
@@ -96,6 +98,15 @@ class UserModule:
             if any(p is not None for p in module._parameters.values()):
                 self._hooks.append(module.register_forward_pre_hook(refuse))
         self.bind(force=True)
+
+    @property
+    def engine(self) -> Any:
+        """The engine training this module (None once it is gone)."""
+        return self._engine() if self._engine is not None else None
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        self._engine = weakref.ref(engine)
 
     # -- binding ----------------------------------------------------------------------------
 

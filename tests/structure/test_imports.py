@@ -23,15 +23,17 @@ import fxzero
 ROOT = pathlib.Path(fxzero.__file__).parent
 
 LAYER = {
-    "fxzero._compat": 0, "fxzero.config": 0, "fxzero.zoo": 0,
+    "fxzero._compat": 0, "fxzero.config": 0, "fxzero.zoo": 0, "fxzero.accelerator": 0,
     "fxzero.ir": 1, "fxzero.modelspec": 1,
     "fxzero.trace": 2, "fxzero.units": 2, "fxzero.passes": 2,
     "fxzero.schedule": 3,
     "fxzero.cost": 4, "fxzero.estimate": 4, "fxzero.liveness": 4,
     "fxzero.compiler": 5, "fxzero.runtime": 5,
     "fxzero.api": 6, "fxzero.artifacts": 6, "fxzero.deepspeed_api": 6,
+    "fxzero.comm": 7, "fxzero.zero": 7, "fxzero.utils": 7, "fxzero.moe": 7, "fxzero.deepspeed_alias": 7,
     "fxzero.viz": 7,
     "fxzero.cli": 8,
+    "fxzero._deepspeed_shim": 9,
     "fxzero": 0,
 }
 """Each top-level part's layer: a module imports only from its own layer or below. The package

@@ -45,8 +45,8 @@ def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto",
     (`Config.collective_timeout`): how long any collective waits for the other ranks before it
     is an error. Collective: every rank calls it.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return LocalComm(link=link)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return LocalComm(link=link)  # (a process group of one, as DeepSpeed makes, needs no collectives)
     group = _group(timeout_s)
     comm = Comm(group, link=link)
     if transport == "process_group":

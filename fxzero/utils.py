@@ -1,0 +1,200 @@
+"""DeepSpeed's `deepspeed.utils`: whole values of sharded parameters, gradients and optimizer
+states, a rank-aware logger, and the fp32 weights of a saved checkpoint.
+
+    from fxzero.utils import safe_get_full_fp32_param, safe_get_full_grad, logger
+    w = safe_get_full_fp32_param(model.lm_head.weight)     # every rank calls it: a collective
+    g = safe_get_full_grad(model.lm_head.weight)           # between backward() and step()
+
+Each `safe_get_*` gathers the one unit holding the parameter and returns a new tensor of the
+parameter's shape on every rank (None where DeepSpeed gives None: no gradient yet, no state
+yet); each `safe_set_*` writes a full value given on every rank into every rank's shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Iterable, Optional
+
+import torch
+
+from fxzero.runtime.checkpoint.export import _checkpoint_dir
+from fxzero.runtime.checkpoint import format as fmt
+from fxzero.runtime.checkpoint.reader import CheckpointReader
+from fxzero.runtime.comm import Pending
+from fxzero.runtime.user_module import UserModule, binding_of
+
+__all__ = ["RepeatingLoader", "get_fp32_state_dict_from_zero_checkpoint", "log_dist", "logger",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+
+
+def _logger() -> logging.Logger:
+    log = logging.getLogger("fxzero")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                                               "%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _logger()
+"""The "fxzero" logger (DeepSpeed's `deepspeed.utils.logger`: INFO to stdout)."""
+
+
+def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:
+    """Log `message` on the ranks listed (None or [-1]: every rank), prefixed with the rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    ranks = list(ranks) if ranks is not None else [-1]
+    if -1 in ranks or rank in ranks:
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+def _bound(param: torch.Tensor, what: str) -> tuple[UserModule, str]:
+    found = binding_of(param)
+    if found is None:
+        raise TypeError(f"{what}: this tensor is not a parameter of a model an fxzero engine trains (pass one of "
+                        "engine.module's parameters)")
+    return found
+
+
+def _slot_view(binding: UserModule, fqn: str, flat: torch.Tensor) -> torch.Tensor:
+    _, slot = binding.slot[fqn]
+    return flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+
+
+def _gather_shard(binding: UserModule, fqn: str, shard: torch.Tensor) -> torch.Tensor:
+    """The parameter `fqn`'s full value from every rank's `shard` of its unit (a collective)."""
+    layout, _ = binding.slot[fqn]
+    comm = binding.comm
+    flat = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(flat, shard.contiguous(), count=False).wait()
+    return _slot_view(binding, fqn, flat)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's full fp32 (master) value on every rank. A collective."""
+    binding, fqn = _bound(param, "safe_get_full_fp32_param")
+    for _, flat in binding.gather([fqn], compute=False, what="safe_get_full_fp32_param"):
+        return _slot_view(binding, fqn, flat)
+
+
+def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The parameter's full gradient, averaged over the ranks and unscaled (float16's loss scale
+    divided out), as the next step() would apply it before clipping; None before a backward or
+    after step(). A collective."""
+    binding, fqn = _bound(param, "safe_get_full_grad")
+    state, engine = binding.state, binding.engine
+    layout, _ = binding.slot[fqn]
+    if engine is not None and engine._unreduced:
+        raise RuntimeError(f"[rank {binding.comm.rank}] safe_get_full_grad between accumulation boundaries with "
+                           "Config(gradient_accumulation='local'): the gradients are not reduced yet; read it after "
+                           "the boundary's backward")
+    held = state.grads.get(layout.name)
+    present = binding.comm.all_gather_object(held is not None) if binding.comm.world_size > 1 else [held is not None]
+    if not all(present):
+        return None
+    if isinstance(held, Pending):
+        held = state.grads[layout.name] = held.wait()
+    if held.numel() == 0:  # on a tier ([Note: accumulating on a tier])
+        held = state.store.get("grad", layout.name)
+    if held.numel() == layout.padded_numel:  # a unit held whole keeps its gradient whole (ZeRO-1)
+        lo, hi = layout.shard_range(binding.comm.rank)
+        held = held[lo:hi]
+    grad = _gather_shard(binding, fqn, held.float())
+    scaler = engine.control.scaler if engine is not None else None
+    return grad.div_(scaler.scale) if scaler is not None else grad
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
+    """The parameter's full optimizer state `optim_state_key` ("exp_avg", "exp_avg_sq", "sum", ...);
+    None before the first step. A collective."""
+    binding, fqn = _bound(param, "safe_get_full_optimizer_state")
+    state, engine = binding.state, binding.engine
+    layout, _ = binding.slot[fqn]
+    policy = engine.optimizer.policy
+    if optim_state_key not in policy.states:
+        raise KeyError(f"{type(policy).__name__} keeps the states {list(policy.states)}, not {optim_state_key!r}")
+    if layout.name not in state.steps:
+        return None
+    if state.store is not None and state.store.offloaded(optim_state_key):
+        shard = state.store.get(optim_state_key, layout.name)
+    else:
+        shard = state.optimizer_states[layout.name][optim_state_key]
+    return _gather_shard(binding, fqn, shard)
+
+
+def _install_full(binding: UserModule, fqn: str, value: torch.Tensor, what: str) -> torch.Tensor:
+    """The unit's full flat fp32 buffer with `value` in `fqn`'s place (a collective)."""
+    _, slot = binding.slot[fqn]
+    if tuple(value.shape) != slot.shape:
+        raise ValueError(f"{what}: the value has shape {tuple(value.shape)}, the parameter {slot.shape}")
+    for _, flat in binding.gather([fqn], compute=False, what=what):
+        flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+        return flat
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set the parameter's fp32 master to `value` (the same on every rank), and its compute-dtype
+    copy from it. A collective."""
+    binding, fqn = _bound(param, "safe_set_full_fp32_param")
+    flat = _install_full(binding, fqn, value, "safe_set_full_fp32_param")
+    layout, _ = binding.slot[fqn]
+    binding.state.install_unit(layout.name, lambda lo, hi: flat[lo:hi], binding.compute_dtype)
+    binding.bind(force=True)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the parameter's optimizer state `optim_state_key` to `value` (the same on every rank)."""
+    binding, fqn = _bound(param, "safe_set_full_optimizer_state")
+    state, engine = binding.state, binding.engine
+    layout, slot = binding.slot[fqn]
+    policy = engine.optimizer.policy
+    if optim_state_key not in policy.states:
+        raise KeyError(f"{type(policy).__name__} keeps the states {list(policy.states)}, not {optim_state_key!r}")
+    lo, hi = layout.shard_range(binding.comm.rank)
+    full = value.reshape(-1).to(layout.dtype)
+    offloaded = state.store is not None and state.store.offloaded(optim_state_key)
+    shard = (state.store.get(optim_state_key, layout.name) if offloaded
+             else state.optimizer_state(layout.name, optim_state_key, policy.initial_value(optim_state_key)))
+    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+    if a < b:
+        shard[a - lo : b - lo].copy_(full[a - slot.offset : b - slot.offset])
+    if offloaded:
+        state.store.put(optim_state_key, layout.name, shard)
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
+                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict of a checkpoint `engine.save_checkpoint` wrote, read offline, no
+    ranks needed (DeepSpeed's zero_to_fp32): parameters (a tied one under its first name) and
+    persistent buffers. Holds the whole model in memory; `fxzero export` streams it to a file."""
+    reader = CheckpointReader(_checkpoint_dir(checkpoint_dir, tag), cache_blobs=0)
+    frozen = {slot[0] for unit in reader.manifest["units"] if not unit["trainable"] for slot in unit["slots"]}
+    frozen = frozen if exclude_frozen_parameters else set()
+    return {fqn: reader.read_tensor(fmt.param_key(fqn)).clone() for fqn, _, _ in reader.manifest["tensors"]
+            if fqn not in frozen}
+
+
+class RepeatingLoader:
+    """An iterator that restarts `loader` when it ends (DeepSpeed's `RepeatingLoader`)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

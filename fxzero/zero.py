@@ -1,0 +1,189 @@
+"""DeepSpeed's `deepspeed.zero`: build a model without its full weights, and gather them for a while.
+
+    with fxzero.zero.Init(config_dict_or_path=ds_config):      # deepspeed.zero.Init
+        model = MyModel()                                       # on the meta device: nothing allocated
+    engine, *_ = fxzero.initialize(model=model, config=ds_config)
+
+    with fxzero.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
+        if rank == 0:
+            model.lm_head.weight.zero_()                        # written back into every rank's shards
+
+[Note: zero.Init]
+DeepSpeed's `zero.Init` partitions each parameter as its module is constructed: the init code
+runs on full tensors, one module at a time, drawing from the global RNG. fxzero builds the model
+on the meta device instead (nothing allocated, nothing drawn) and records where the global RNG
+stood; `fxzero.initialize` then replays the model's own init from that state, one module at a
+time, each rank keeping its shards (`fxzero/runtime/init_replay.py`): the same values DeepSpeed's
+construction gives. At the block's end the global RNG is moved to where eager construction would
+have left it (by a replay whose values are dropped), so later draws in the script (data order,
+dropout) are DeepSpeed's too. `remote_device` needs no translating: construction allocates
+nothing on any device, and where shards live while training is the config's `offload_param`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from fxzero.config.notices import warn_ineffective
+from fxzero.runtime.init_replay import initial_values
+from fxzero.runtime.user_module import binding_of
+
+__all__ = ["GatheredParameters", "Init", "InitRecord", "init_record", "register_external_parameter"]
+
+_RECORD = "_fxzero_zero_init"
+"""The attribute a module built under `Init` carries: its `InitRecord`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InitRecord:
+    """What `fxzero.initialize` needs of a model built under `zero.Init`."""
+
+    rng_state: torch.Tensor
+    """The global CPU RNG state when the block began: its init is replayed from here."""
+    config: Any = None
+    """`config_dict_or_path` (or `config`): the DeepSpeed config, used when initialize gets none."""
+
+
+def init_record(model: nn.Module) -> Optional[InitRecord]:
+    """The record of a model built under `Init`, or None."""
+    return getattr(model, _RECORD, None)
+
+
+class Init:
+    """DeepSpeed's `zero.Init`: construct modules on the meta device ([Note: zero.Init]).
+
+    Args (DeepSpeed's; those fxzero has no use for are accepted and named once if set):
+        module: an already-built module: nothing to do (fxzero shards it at initialize).
+        remote_device: "cpu"/"nvme"/None: construction allocates nothing, so any is honoured;
+            training placement is the config's `offload_param`.
+        config_dict_or_path, config: the DeepSpeed config, kept for `initialize` (used when it
+            is given none).
+        enabled: False: construct eagerly, as without the block.
+        dtype: DeepSpeed casts parameters to it at construction; fxzero keeps fp32 masters and
+            computes in the config's bf16/fp16 (a different dtype is named once).
+    """
+
+    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None, **ignored: Any) -> None:
+        if remote_device not in (None, "none", "cpu", "nvme", "cuda"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): one of None, 'cpu', 'nvme'")
+        if mpu is not None or data_parallel_group is not None:
+            raise ValueError("zero.Init: fxzero is data parallel over every rank: mpu and data_parallel_group "
+                             "are not supported")
+        notes = [f"zero.Init({k}=...) has no effect in fxzero: it shards over every rank, allocating nothing at "
+                 "construction" for k, v in ignored.items() if v not in (None, False)]
+        if dtype is not None and dtype != torch.float32:
+            notes.append(f"zero.Init(dtype={dtype}) has no effect in fxzero: parameters keep fp32 masters and "
+                         "compute in the config's bf16/fp16 dtype")
+        warn_ineffective(notes)
+        self.enabled = enabled and module is None
+        self.config = config_dict_or_path if config_dict_or_path is not None else config
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        created: dict[int, nn.Module] = {}
+        children: set[int] = set()
+
+        def on_param(module: nn.Module, name: str, param: Any) -> None:
+            created.setdefault(id(module), module)
+
+        def on_module(module: nn.Module, name: str, submodule: Any) -> None:
+            created.setdefault(id(module), module)
+            if submodule is not None:
+                children.add(id(submodule))
+
+        self._created, self._children = created, children
+        self._start = torch.random.get_rng_state()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.callback(nn.modules.module.register_module_parameter_registration_hook(on_param).remove)
+        stack.callback(nn.modules.module.register_module_module_registration_hook(on_module).remove)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stack is None:
+            return
+        self._stack.close()
+        self._stack = None
+        if exc[0] is not None:
+            return
+        roots = [m for i, m in self._created.items() if i not in self._children]
+        state = self._start
+        for root in roots:  # each root's init, replayed as eager construction ran it, in order
+            setattr(root, _RECORD, InitRecord(state, self.config))
+            stats: dict = {}
+            for _ in initial_values(root, state, stats):
+                pass
+            state = stats.get("rng_after", state)
+        torch.random.set_rng_state(state)  # where eager construction would have left the RNG
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed needs this for a parameter used outside its module's forward; fxzero traces the
+    whole forward, so every use is seen: nothing to do."""
+
+
+def _flat(params: Any) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p for p in params if p is not None] if params is not None else []
+
+
+class GatheredParameters:
+    """DeepSpeed's `zero.GatheredParameters`: inside the block the parameters hold their full fp32
+    values on every rank (for reading, or writing on `modifier_rank`); at its end the modifier's
+    values are written into every rank's shards (the fp32 master, the compute-dtype copy and any
+    tier), or, with `modifier_rank=None`, changes are dropped. A collective: every rank enters it
+    with the same parameters. Parameters fxzero does not manage (built eagerly and not compiled)
+    are left as they are, as DeepSpeed leaves non-ZeRO parameters.
+
+    Args:
+        params: a parameter or an iterable of them.
+        modifier_rank: the rank whose values are kept, or None.
+        fwd_module: DeepSpeed registers external parameters with it; not needed by fxzero.
+        enabled: False: the block does nothing.
+    """
+
+    def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor]], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[nn.Module] = None, enabled: bool = True) -> None:
+        self.params = _flat(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> "GatheredParameters":
+        by_binding: dict[int, tuple[Any, list[str]]] = {}
+        for p in self.params:
+            found = binding_of(p)
+            if found is None:
+                if p.is_meta:
+                    raise RuntimeError(
+                        "GatheredParameters: this parameter is on the meta device and no fxzero engine holds it yet "
+                        "(a model built under zero.Init gets its values at fxzero.initialize, from its own init "
+                        "code replayed). Initialize it in the module's reset_parameters() or the model's "
+                        "_init_weights(module), or gather it after fxzero.initialize")
+                continue
+            binding, fqn = found
+            by_binding.setdefault(id(binding), (binding, []))[1].append(fqn)
+        stack = contextlib.ExitStack()
+        for binding, fqns in by_binding.values():
+            if self.modifier_rank is not None and not 0 <= self.modifier_rank < binding.comm.world_size:
+                raise ValueError(f"[rank {binding.comm.rank}] GatheredParameters(modifier_rank={self.modifier_rank})"
+                                 f": ranks are 0..{binding.comm.world_size - 1}")
+            stack.enter_context(binding.gathered(list(dict.fromkeys(fqns)), self.modifier_rank))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
