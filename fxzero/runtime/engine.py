@@ -349,6 +349,9 @@ class Engine:
         With float16 loss scaling a step whose gradients overflowed on any rank is skipped on every
         rank (`skipped_steps`); a non-finite loss (bfloat16, fp32) is an error on every rank.
         """
+        if self._no_sync:
+            raise RuntimeError(f"[rank {self.rank}] step() inside engine.no_sync(): the gradients of the backwards "
+                               "in it are not reduced yet; leave the block and run one more backward first")
         if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         boundary = self.control.boundary
@@ -364,9 +367,6 @@ class Engine:
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
-        if self._no_sync:
-            raise RuntimeError(f"[rank {self.rank}] step() inside engine.no_sync(): the gradients of the backwards "
-                               "in it are not reduced yet; leave the block and run one more backward first")
         update = self.control.agree(self.layouts)
         self._step_applied = update
         if update:
