@@ -23,16 +23,20 @@ class LossScale:
 
     The loss is multiplied by the scale before the backward; gradients are unscaled before the
     update. A step whose gradients are not finite on any rank is skipped on every rank and counts
-    as an overflow: after `hysteresis` overflows in a row the scale halves (never below
-    `min_scale`); after `window` steps without one it doubles.
+    as an overflow: the `hysteresis`-th overflow since the scale last grew halves it, and so does
+    each one after until it grows again (never below `min_scale`); `window` + 1 good steps in a
+    row double it, then every `window` more, as DeepSpeed counts ([Note: DeepSpeed's growth
+    count] in `fxzero/runtime/loss_scale.py`). A skipped step does not step the LR schedule.
     """
 
     initial_scale_power: int = 16
     """The first scale is 2 ** initial_scale_power (DeepSpeed's initial_scale_power)."""
     window: int = 1000
-    """Clean steps before the scale doubles (DeepSpeed's loss_scale_window)."""
+    """Good steps between doublings of the scale (DeepSpeed's loss_scale_window; the first doubling
+    after an overflow, or after the start, comes one good step later, as DeepSpeed's)."""
     hysteresis: int = 2
-    """Overflows in a row before the scale halves (DeepSpeed's hysteresis)."""
+    """Overflows since the scale last grew before it halves (DeepSpeed's hysteresis, not restored
+    by good steps: its consecutive_hysteresis false)."""
     min_scale: float = 1.0
     """The scale never goes below this (DeepSpeed's min_loss_scale)."""
     static: Optional[float] = None

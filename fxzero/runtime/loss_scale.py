@@ -29,18 +29,28 @@ __all__ = ["LossScaler", "first_nonfinite"]
 
 
 class LossScaler:
-    """DeepSpeed's dynamic loss scaler (`DynamicLossScaler`), for one run.
+    """DeepSpeed's dynamic loss scaler (`DynamicLossScaler`, consecutive_hysteresis false), for one run.
 
     On an overflow the scale halves once `hysteresis` overflows have happened since it last
-    changed (never below `min_scale`); after `window` steps without an overflow it doubles and
-    the hysteresis is restored. A static scale never changes.
+    grew, or since the start (never below `min_scale`); good steps do not restore the
+    hysteresis, a growth does. The scale doubles after `window` + 1 good steps in a row, then
+    after every `window` more ([Note: DeepSpeed's growth count]). A static scale never changes.
+
+    [Note: DeepSpeed's growth count]
+    DeepSpeed counts `stable = (iteration - last overflow's iteration) - 1`, its first iteration
+    0 and "the last overflow" -1 at the start, and doubles on a good step when stable > 0 and
+    stable % window == 0. So the first good step after an overflow (or the first step of the
+    run) counts 0: with window W the scale doubles in the update of the (W + 1)-th good step in
+    a row, and of the (2W + 1)-th, (3W + 1)-th..., not reset by a growth. `_clean`, the good
+    steps since the last overflow, is stable + 1. (torch's GradScaler doubles after W; a run
+    ported from DeepSpeed sees DeepSpeed's scales, step for step.)
     """
 
     def __init__(self, policy: LossScale) -> None:
         self.policy = policy
         self.scale = policy.initial
         self._hysteresis = policy.hysteresis
-        self._clean = 0  # steps since the last overflow (or the last growth)
+        self._clean = 0  # good steps since the last overflow (or the start); not reset by a growth
         self.stuck = 0
         """Overflowing steps in a row at the minimum scale."""
 
@@ -59,9 +69,9 @@ class LossScaler:
             return
         self.stuck = 0
         self._clean += 1
-        if self._clean >= p.window:
+        stable = self._clean - 1  # [Note: DeepSpeed's growth count]
+        if stable > 0 and stable % p.window == 0:
             self.scale *= 2
-            self._clean = 0
             self._hysteresis = p.hysteresis
 
     @property

@@ -159,7 +159,9 @@ class StepControl:
             raise
 
     def stepped(self, optimizer, skipped: bool) -> None:
-        """After a boundary: count it, step the optimizer for the schedulers and the schedule."""
+        """After a boundary: count it, step the optimizer for the schedulers and the schedule. A
+        skipped step (a float16 overflow anywhere) steps neither, as DeepSpeed's engine steps its
+        scheduler only after an update: the next step runs at the lr this one would have."""
         self.flags.reset()
         self.global_steps += 1
         if skipped:
