@@ -74,6 +74,21 @@ class LossScaler:
             self.scale *= 2
             self._hysteresis = p.hysteresis
 
+    def state_dict(self) -> dict[str, float | int]:
+        """What a checkpoint restores (plain numbers, so it loads with weights_only): the scale,
+        the overflows left before it halves, the good steps since the last overflow (which time
+        its next doubling), the overflows in a row at the minimum scale."""
+        return {"scale": self.scale, "hysteresis": self._hysteresis, "clean": self._clean, "stuck": self.stuck}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Continue where `state` left off, under this run's policy (a static scale stays static)."""
+        if set(state) != {"scale", "hysteresis", "clean", "stuck"}:
+            raise ValueError(f"a loss scaler's state has keys scale, hysteresis, clean and stuck; got {sorted(state)}")
+        if self.policy.static is not None:
+            return
+        self.scale = float(state["scale"])
+        self._hysteresis, self._clean, self.stuck = int(state["hysteresis"]), int(state["clean"]), int(state["stuck"])
+
     @property
     def is_stuck(self) -> bool:
         return self.policy.static is None and self.stuck >= self.policy.window

@@ -9,6 +9,7 @@ import errno
 import itertools
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_torch_tools_read_the_checkpoint(saved, tmp_path):
 
     _, path, full, _ = saved
     dcp_to_torch_save(path, tmp_path / "whole.pt")
-    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)  # (tensors and plain data only)
     assert set(full) - set(whole["model"]) == {"lm_head.weight"}  # tied to wte.weight: saved once, as HF does
     for fqn, value in whole["model"].items():
         assert torch.equal(full[fqn], value), fqn
@@ -194,3 +195,66 @@ def test_save_between_boundaries_and_bad_tags_are_errors(tmp_path):
         assert engine.load_checkpoint(str(tmp_path)) == (None, None)
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         engine.load_checkpoint(str(tmp_path), tag="nope")
+
+
+# float16: the loss scaler resumes where it was ------------------------------------------------
+
+FP16_STEPS = 10
+OVERFLOWS = {0, 1, 7, 8}
+"""Steps whose loss is made infinite. With hysteresis 2 and window 3 the scale (from 16) has one
+overflow left after step 0 and halves at step 1; the good steps 2-6 double it once (after 3 or
+4 of them: DeepSpeed counts the first good step after an overflow as 0); step 7 leaves one
+overflow and step 8 halves it. Saved after step 2 (scale 8, one good step counted) the growth to
+come tests the scale and the count of good steps; saved after step 7 (one overflow left, where
+a fresh scaler has 2) the halving at step 8 tests the hysteresis."""
+SAVED_AFTER = (2, 7)
+
+
+def _fp16_engine():
+    from fxzero.config.effects import SlowSetting
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    policy = fxzero.LossScale(initial_scale_power=4, hysteresis=2, window=3)
+    config = fxzero.Config(optimizer=fxzero.AdamW(lr=1e-2), cost_model=None,
+                           mixed_precision=fxzero.MixedPrecision(param_dtype=torch.float16, loss_scale=policy))
+    with warnings.catch_warnings():  # (float16 matmuls are slow on a CPU: said once per process)
+        warnings.simplefilter("ignore", SlowSetting)
+        return fxzero.compile(model, config)
+
+
+def _fp16_steps(engine, first: int, save_dir: str | None = None) -> tuple[list[tuple], dict]:
+    """Steps first..FP16_STEPS-1: each step's (loss, loss scale, skipped steps); with `save_dir`,
+    a checkpoint after each step of SAVED_AFTER and the scaler's state then."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(FP16_STEPS)]
+    out, scalers = [], {}
+    for i in range(first, FP16_STEPS):
+        x, y = batches[i]
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss * float("inf") if i in OVERFLOWS else loss)
+        engine.step()
+        out.append((loss.item(), engine.loss_scale, engine.skipped_steps))
+        if save_dir is not None and i in SAVED_AFTER:
+            engine.save_checkpoint(save_dir, tag=f"after{i}")
+            scalers[i] = engine.control.scaler.state_dict()
+    return out, scalers
+
+
+def test_the_fp16_loss_scaler_resumes_as_an_uninterrupted_run(tmp_path):
+    engine = _fp16_engine()
+    uninterrupted, scalers = _fp16_steps(engine, 0, str(tmp_path))
+    fresh = _fp16_engine().control.scaler.state_dict()
+    scales = [scale for _, scale, _ in uninterrupted]
+    # The story the docstring tells, so that a scaler not restored would show:
+    assert scalers[2]["scale"] != fresh["scale"] and scalers[2]["clean"] != fresh["clean"]
+    assert max(scales[3:7]) == 2 * scales[2] and uninterrupted[2][2] == 2  # a growth before the next overflow
+    assert scalers[7]["hysteresis"] != fresh["hysteresis"] and scales[8] == scales[7] / 2
+    final = engine.full_state_dict()
+    for saved_after in SAVED_AFTER:
+        resumed = _fp16_engine()
+        resumed.load_checkpoint(str(tmp_path), tag=f"after{saved_after}")
+        assert (resumed.loss_scale, resumed.skipped_steps) == uninterrupted[saved_after][1:]
+        steps, _ = _fp16_steps(resumed, saved_after + 1)
+        assert steps == uninterrupted[saved_after + 1:], f"saved after step {saved_after}"
+        assert all(torch.equal(v, final[k]) for k, v in resumed.full_state_dict().items())

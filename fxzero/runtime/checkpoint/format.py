@@ -8,7 +8,7 @@ A checkpoint is a directory `<save_dir>/<tag>/` in the format of torch.distribut
                          chunks, and where each chunk's bytes are
     __<rank>_0.distcp    rank <rank>'s chunks, each a `torch.save` blob as DCP writes them
     rank<rank>_state.pt  rank <rank>'s RNG states and data loader position
-    engine_state.pt      the step counters, loss scaler, LR scheduler, param groups, client_state
+    engine_state.pt      the step counters, loss scaler, LR scheduler, client_state
     fxzero.json          the manifest: world size, stage, optimizer, the model's fingerprint and
                          tensor list, the unit layouts, and a checksum of every file and chunk
 
@@ -23,6 +23,7 @@ model's own FQNs (a tied parameter once, under its first name):
 Each rank writes the part of each tensor in its shard: a flat range of the parameter, which is
 up to a few boxes (`chunks.py`), so a checkpoint saved on N ranks loads on any M by reading the
 ranges each new shard needs, and at any stage (a unit held whole reads all of its range).
+Every file loads without running code from it ([Note: loading runs no code] in `safe_load.py`).
 The low-precision copies of mixed precision are not saved: they are the masters rounded
 (`_split_masters` in `fxzero/api.py`; the step program rounds the same way), so they are
 recomputed on load, exactly.
@@ -41,7 +42,8 @@ __all__ = ["ENGINE", "FORMAT", "LATEST", "MANIFEST", "METADATA", "PARAM_GROUPS",
            "fingerprint", "model_tensors", "param_key", "planner_path", "rank_file", "state_key"]
 
 FORMAT = "fxzero-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: the state files hold only tensors and plain data (1 pickled Python objects there)."""
 MANIFEST = "fxzero.json"
 METADATA = ".metadata"
 ENGINE = "engine_state.pt"

@@ -8,6 +8,10 @@ plus one unit's. Each rank's RNG states are restored when the world size is the 
 rank of a new world has no saved generator of its own); the data loader resumes at the saved
 position. Every rank reports to the others before returning, so a file that fails its check on
 one rank is an error on all of them.
+
+Nothing is unpickled as it stands ([Note: loading runs no code] in safe_load.py), and all that
+is not a tensor (step counters, scaler, RNG states, param groups, client_state) is read before
+anything is replaced: a refused file leaves the engine as it was.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.files import CheckpointError
 from fxzero.runtime.checkpoint.reader import CheckpointReader
+from fxzero.runtime.checkpoint.safe_load import unpickled
 from fxzero.runtime.state import install
 
 __all__ = ["load_checkpoint", "resolve_checkpoint"]
@@ -114,44 +119,100 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
             state.steps.pop(unit, None)
 
 
-def _load_engine_state(engine, saved: dict[str, Any], *, optimizer: bool, scheduler: bool) -> None:
-    control = engine.control
-    control.global_steps = saved["global_steps"]
-    control.micro_steps = saved["micro_steps"]
-    control.skipped_steps = saved["skipped_steps"]
-    control.grad_norm = saved["grad_norm"]
-    if control.scaler is not None and saved["scaler"] is not None:
-        for name, value in saved["scaler"].items():
-            setattr(control.scaler, name, value)
+class _Saved(NamedTuple):
+    """What a load takes from the checkpoint besides its tensors: read, and refused if reading it
+    would run code, before any of the engine's state is replaced."""
+
+    engine: dict[str, Any]
+    """engine_state.pt: step counters, loss scaler."""
+    rank: dict[str, Any]
+    """rank<N>_state.pt: RNG states (this rank's when the world size is the one saved), data loader."""
+    same_world: bool
+    param_groups: Optional[list]
+    """The DCP item optim.param_groups (None: the optimizer's states are not loaded)."""
+    lr_scheduler: Any
+    """The scheduler's state (None: not loaded)."""
+    client_state: dict
+
+
+def _check_version(reader: CheckpointReader) -> None:
+    version = reader.manifest.get("version", 0)
+    if version < fmt.VERSION:
+        raise CheckpointError(
+            f"{os.path.join(reader.path, fmt.MANIFEST)}: format version {version}, whose state files are pickled Python "
+            f"objects (loading them could run code from the file); this fxzero loads format {fmt.VERSION}, which holds "
+            "only tensors and plain data. Resume it with the fxzero that wrote it and save again; its weights can be "
+            "exported without that (`fxzero export`, which reads only tensors)")
+
+
+def _read_saved(engine, reader: CheckpointReader, *, optimizer: bool, scheduler: bool, trust: bool) -> _Saved:
+    path = os.path.join(reader.path, fmt.ENGINE)
+    saved = reader.load_file(fmt.ENGINE)
+    client_state = {}
+    for name, blob in saved["client_state"]:
+        entry = unpickled(blob, path, f"client_state[{name}]", trust=trust)
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise CheckpointError(f"{path}: client_state[{name}] is not a saved (key, value) entry; the file is damaged")
+        client_state[entry[0]] = entry[1]
+    lr_scheduler = None
+    if scheduler and engine.control.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        lr_scheduler = unpickled(saved["lr_scheduler"], path, "the LR scheduler's state", trust=trust,
+                                 other_way=" (or skip it: load_lr_scheduler_states=False)")
+    groups = None
     if optimizer:
-        for group, values in zip(engine.optimizer.param_groups, saved["param_groups"]):
-            group.update(values)
-    if scheduler and control.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        control.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-
-
-def _load_rank_state(engine, reader: CheckpointReader) -> None:
+        groups = reader.read_bytes_item(fmt.PARAM_GROUPS)
+        mine = len(engine.optimizer.param_groups)
+        if not isinstance(groups, list) or len(groups) != mine or not all(isinstance(g, dict) for g in groups):
+            held = f"{len(groups)} param groups" if isinstance(groups, list) else f"a {type(groups).__name__}"
+            raise CheckpointError(
+                f"[rank {engine.rank}] {reader.path}: item {fmt.PARAM_GROUPS!r} holds {held} and this engine's "
+                f"optimizer has {mine}; build the optimizer with the groups it was saved with, or "
+                "load_checkpoint(..., load_optimizer_states=False) to start its states afresh")
     same_world = reader.manifest["world_size"] == engine.world_size
-    name = fmt.rank_file(engine.rank if same_world else 0)
-    saved = reader.load_file(name)
-    if same_world:
-        rng = saved["rng"]
+    rank_state = reader.load_file(fmt.rank_file(engine.rank if same_world else 0))
+    return _Saved(saved, rank_state, same_world, groups, lr_scheduler, client_state)
+
+
+def _load_engine_state(engine, saved: _Saved) -> None:
+    control = engine.control
+    state = saved.engine
+    control.global_steps = state["global_steps"]
+    control.micro_steps = state["micro_steps"]
+    control.skipped_steps = state["skipped_steps"]
+    control.grad_norm = state["grad_norm"]
+    if control.scaler is not None and state["scaler"] is not None:
+        control.scaler.load_state_dict(state["scaler"])
+    if saved.param_groups is not None:
+        for group, values in zip(engine.optimizer.param_groups, saved.param_groups):
+            group.update({k: v for k, v in values.items() if k != "params"})
+    if saved.lr_scheduler is not None:
+        control.lr_scheduler.load_state_dict(saved.lr_scheduler)
+
+
+def _load_rank_state(engine, saved: _Saved) -> None:
+    if saved.same_world:
+        rng = saved.rank["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         if "numpy" in rng:
             import numpy as np
-            np.random.set_state(rng["numpy"])
+            name, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     loader = getattr(engine, "training_dataloader", None)
-    if loader is not None and saved["dataloader"] is not None:
-        loader.load_state_dict(saved["dataloader"])
+    if loader is not None and saved.rank["dataloader"] is not None:
+        loader.load_state_dict(saved.rank["dataloader"])
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
-    """See `Engine.load_checkpoint`."""
+                    load_module_only: bool = False, trust_client_state: bool = False,
+                    ) -> tuple[Optional[str], Optional[dict]]:
+    """See `Engine.load_checkpoint`. `trust_client_state`: unpickle the user's own objects saved in
+    `client_state` (and an LR scheduler's state that is not plain data), which runs code from the
+    checkpoint: only for a checkpoint from a source you trust ([Note: loading runs no code] in
+    safe_load.py). Plain data loads without it."""
     rank = engine.rank
     if not load_module_strict:
         raise ValueError(f"[rank {rank}] load_checkpoint(load_module_strict=False): fxzero loads every tensor of the "
@@ -160,22 +221,27 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_mo
     failure: Optional[BaseException] = None
     path: Optional[str] = None
     client_state: Optional[dict] = None
+    replacing = False
     try:
         path = resolve_checkpoint(load_dir, tag)
         if path is not None:
             reader = CheckpointReader(path)  # (every file's size and the small files' checksums checked)
+            _check_version(reader)
             _check_model(reader, engine)
+            saved = None if load_module_only else _read_saved(
+                engine, reader, optimizer=load_optimizer_states, scheduler=load_lr_scheduler_states,
+                trust=trust_client_state)
             engine._failed_load = f"load_checkpoint({path!r}) failed part-way"
+            replacing = True
             engine.zero_grad()
             _load_params(engine, reader)
             client_state = {}
-            if not load_module_only:
+            if saved is not None:
                 if load_optimizer_states:
                     _load_optimizer(engine, reader)
-                saved = reader.load_file(fmt.ENGINE)
-                _load_engine_state(engine, saved, optimizer=load_optimizer_states, scheduler=load_lr_scheduler_states)
-                _load_rank_state(engine, reader)
-                client_state = saved["client_state"]
+                _load_engine_state(engine, saved)
+                _load_rank_state(engine, saved)
+                client_state = saved.client_state
             persistent = set(engine.module.state_dict(keep_vars=True))
             for fqn in engine.state.buffers:
                 if fqn in persistent and reader.has(fmt.param_key(fqn)):
@@ -184,14 +250,16 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_mo
     except Exception as e:
         failure = e
         error = str(e) if str(e).startswith("[rank") else f"[rank {rank}] {type(e).__name__}: {e}"
-    errors = engine.comm.all_gather_object(error)  # (every rank reports: a failure on one is an error on all)
+    # Every rank reports: a failure on one is an error on all, and leaves every engine refusing to
+    # run once any rank has begun replacing its states (the ranks' states would not match).
+    reports = engine.comm.all_gather_object((error, replacing))
+    failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
+    if failed and any(started for _, started in reports):
+        engine._failed_load = f"load_checkpoint({path!r}) failed on rank {failed[0][0]}: {failed[0][1]}"
     if failure is not None and not isinstance(failure, CheckpointError):
         raise failure
-    for r, e in enumerate(errors):
-        if e is not None:
-            if path is not None:  # some rank may have replaced part of its states
-                engine._failed_load = f"load_checkpoint({path!r}) failed on rank {r}: {e}"
-            raise CheckpointError(e if r == rank else f"[rank {rank}] rank {r} could not load the checkpoint: {e}")
+    for r, e in failed:
+        raise CheckpointError(e if r == rank else f"[rank {rank}] rank {r} could not load the checkpoint: {e}")
     if path is None:
         warnings.warn(f"[rank {rank}] load_checkpoint: no {os.path.join(load_dir, fmt.LATEST)} file, so no checkpoint "
                       "was loaded (returns (None, None)); pass tag= to load a particular one", stacklevel=3)

@@ -2,6 +2,7 @@
 
 `CheckpointReader(path)` reads `fxzero.json` and `.metadata`, checks every file's size (a
 truncated file is an error naming it before anything is loaded) and the small files' checksums;
+nothing it reads runs code from the file ([Note: loading runs no code] in `safe_load.py`);
 `read_range(key, lo, hi)` assembles elements [lo, hi) of a tensor from the chunks that overlap
 them, each chunk checked against its checksum as it is read. Used by `load_checkpoint` on every
 rank (each reads the ranges of its new shards) and by `fxzero export` (whole tensors, one at a
@@ -13,7 +14,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickle
 from typing import Any, Optional
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.chunks import box_range
 from fxzero.runtime.checkpoint.files import CheckpointError, checksum_file, read_exact
+from fxzero.runtime.checkpoint.safe_load import load_metadata, load_plain
 
 __all__ = ["CheckpointReader"]
 
@@ -49,8 +50,7 @@ class CheckpointReader:
         self.files: dict[str, dict] = self.manifest["files"]
         for name, info in self.files.items():
             self._check_file(name, info)
-        with open(self._file(fmt.METADATA), "rb") as f:
-            self.metadata = pickle.load(f)
+        self.metadata = load_metadata(self._file(fmt.METADATA))
         self._chunks: dict[str, list[tuple[int, int, Any, tuple, tuple]]] = {}
         for key, md in self.metadata.state_dict_metadata.items():
             if hasattr(md, "chunks"):
@@ -93,11 +93,14 @@ class CheckpointReader:
         if info is None:
             raise CheckpointError(f"{self._file(name)}: not in this checkpoint")
         data = read_exact(self._file(name), 0, info["bytes"], info["xxh3"], name)
-        return torch.load(data, weights_only=False)
+        return load_plain(data, self._file(name), "the file")
 
     def read_bytes_item(self, key: str) -> Any:
-        info = self.metadata.storage_data[_index(key)]
-        return torch.load(self._blob_bytes(info, key), weights_only=False)
+        """A non-tensor item of the state dict (DCP's "bytes" item), e.g. `optim.param_groups`."""
+        info = self.metadata.storage_data.get(_index(key))
+        if info is None:
+            raise CheckpointError(f"{self._file(fmt.METADATA)}: holds no item {key!r}")
+        return load_plain(self._blob_bytes(info, key), self._file(info.relative_path), f"item {key!r}")
 
     # -- tensors ------------------------------------------------------------------------------
 
@@ -111,7 +114,11 @@ class CheckpointReader:
             self._cache.move_to_end(where)
             return self._cache[where]
         info = self.metadata.storage_data[_index(key, offsets)]
-        tensor = torch.load(self._blob_bytes(info, f"{key} chunk at {list(offsets)}"), weights_only=True)
+        what = f"{key} chunk at {list(offsets)}"
+        tensor = load_plain(self._blob_bytes(info, what), self._file(info.relative_path), what)
+        if type(tensor) is not torch.Tensor:
+            raise CheckpointError(f"{self._file(info.relative_path)}: {what} holds a {type(tensor).__name__}, not a "
+                                  "tensor; the checkpoint is damaged")
         self._cache[where] = tensor
         while len(self._cache) > self._cache_blobs:
             self._cache.popitem(last=False)

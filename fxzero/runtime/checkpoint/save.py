@@ -11,6 +11,10 @@ and a rank that died ends them within Config.collective_timeout, never a hang):
 3. rank 0 writes `.metadata`, `engine_state.pt` and `fxzero.json`, renames the directory to
    `<tag>` (a previous checkpoint of the same tag is moved aside first, then removed), and
    replaces `latest`.
+
+Every file but `.metadata` (DCP's) holds only tensors and plain data, checked as it is written,
+so it loads with `torch.load(weights_only=True)`; the user's own objects in `client_state` are
+each pickled apart ([Note: loading runs no code] in safe_load.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.chunks import box_range, flat_boxes
 from fxzero.runtime.checkpoint.files import CheckpointError, ChecksumWriter, fsync_dir, replace_file, space_error
+from fxzero.runtime.checkpoint.safe_load import check_plain, pickled
 
 __all__ = ["save_checkpoint"]
 
@@ -101,6 +106,9 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
     rank, comm = engine.rank, engine.comm
     control = engine.control
+    if client_state is not None and not isinstance(client_state, dict):
+        raise TypeError(f"[rank {rank}] save_checkpoint(client_state=...) takes a dict (returned by load_checkpoint), "
+                        f"got a {type(client_state).__name__}")
     if control.micro_steps % control.accumulation or engine.state.grads or engine._unreduced:
         raise CheckpointError(
             f"[rank {rank}] save_checkpoint with gradients not yet applied (micro-step "
@@ -242,7 +250,12 @@ def _write_rank(engine, tmp: str) -> _Chunks:
                 step = torch.tensor(float(engine.state.steps.get(layout.name, 0)))
                 for slot in layout.slots:
                     chunks.tensor(fmt.state_key(slot.fqn, "step"), (), step.reshape(1), 0)
-        chunks.bytes(fmt.PARAM_GROUPS, _param_groups(engine))
+        groups = _param_groups(engine)
+        try:
+            check_plain(groups, "the optimizer's param_groups")
+        except CheckpointError as e:
+            raise CheckpointError(f"[rank {rank}] {e}; keep only such values in a param group") from None
+        chunks.bytes(fmt.PARAM_GROUPS, groups)
     chunks.writer.close()
     return chunks
 
@@ -259,20 +272,24 @@ def _param_groups(engine) -> list[dict]:
 
 
 def _rng_states() -> dict[str, Any]:
+    """Every generator's state as tensors and plain data: torch's and CUDA's are byte tensors,
+    Python's a tuple of ints; NumPy's (legacy) tuple holds an array of its keys, saved as a list."""
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-        out["numpy"] = np.random.get_state()
     except ImportError:
-        pass
+        return out
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    out["numpy"] = (str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))
     return out
 
 
 def _write_rank_state(engine, tmp: str) -> dict[str, Any]:
     loader = getattr(engine, "training_dataloader", None)
     state = {"rng": _rng_states(), "dataloader": loader.state_dict() if loader is not None else None}
+    check_plain(state, fmt.rank_file(engine.rank))
     relpath = fmt.rank_file(engine.rank)
     writer = ChecksumWriter(os.path.join(tmp, relpath))
     writer.append(_saved(state))
@@ -315,17 +332,29 @@ def _metadata(engine, statuses: list, path: str) -> Metadata:
 
 
 def _engine_state(engine, client_state: Optional[dict]) -> dict[str, Any]:
+    """The step counters and the loss scaler as plain data; the LR scheduler's state and each
+    `client_state` entry, which may hold the user's own objects, each pickled apart (a uint8
+    tensor; `safe_load.unpickled` reads them). The param groups are the DCP item `optim.param_groups`."""
     control = engine.control
     scaler = control.scaler
     scheduler = control.lr_scheduler
-    return {
+    state = {
         "global_steps": control.global_steps, "micro_steps": control.micro_steps,
         "skipped_steps": control.skipped_steps, "grad_norm": control.grad_norm,
-        "scaler": {k: v for k, v in vars(scaler).items() if k != "policy"} if scaler is not None else None,
-        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "client_state": client_state if client_state is not None else {},
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "lr_scheduler": _pickled(scheduler.state_dict(), "the LR scheduler's state") if scheduler is not None else None,
+        "client_state": [[repr(key), _pickled((key, value), f"client_state[{key!r}]")]
+                         for key, value in (client_state or {}).items()],
     }
+    check_plain(state, fmt.ENGINE)
+    return state
+
+
+def _pickled(obj: Any, what: str):
+    try:
+        return pickled(obj)
+    except Exception as e:
+        raise CheckpointError(f"[rank 0] {what} cannot be saved: torch.save of it fails ({type(e).__name__}: {e})") from e
 
 
 def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state, save_latest: bool) -> None:
