@@ -188,8 +188,9 @@ class Config:
     def from_deepspeed(cls, ds: Union[dict[str, Any], str, os.PathLike]) -> "Config":
         """Build a Config from a DeepSpeed config dict or JSON file, read strictly (every key used,
         warned about once where it changes nothing, or an error; see `fxzero.config.deepspeed`).
-        The "auto" values it resolves are printed once."""
+        The "auto" values it resolves, and how it gives what a key asks by other means (stage 0 as
+        stage 1), are printed once."""
         reading = read_deepspeed(ds)
         warn_ineffective(reading.ineffective)
-        print_once(reading.resolved)
+        print_once(reading.resolved + reading.notes)
         return cls(**reading.fields)

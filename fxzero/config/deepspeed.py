@@ -3,8 +3,15 @@
 Every key is looked up in the key table (`fxzero/config/deepspeed_keys.py`): a key that sets
 what fxzero does is read into its field; one that changes nothing in fxzero is named in one
 warning with the reason; one fxzero does not have, set to a value that would change training,
-is an error; a key DeepSpeed does not have either is an error naming the nearest one. A missing
-key takes DeepSpeed's default (so `stage3_param_persistence_threshold` is 100000 unless given).
+is an error naming the feature; a key DeepSpeed does not have either is an error naming the
+nearest one (at the top level, where DeepSpeed ignores keys it does not know, one with no near
+match is warned about and ignored). Every value is read through `deepspeed_defaults.value`, so a
+missing key is DeepSpeed 0.19.8's default, one table for all of them: stage 0, clipping at 1.0,
+no log line, gradients reduced in the compute dtype, the optimizer class's own defaults.
+
+Where fxzero gives what a key asks by other means, the reading says how, once (`notes`): stage
+0 runs as ZeRO stage 1 (the same update), prescaled or predivided gradients are averaged after
+the sum (the same average).
 
 `Config.from_deepspeed(ds)` is `Config(**read_deepspeed(ds).fields)`; this module does not import
 `Config`, so the two do not import each other.
@@ -13,13 +20,16 @@ key takes DeepSpeed's default (so `stage3_param_persistence_threshold` is 100000
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 from typing import Any, NamedTuple, Union
 
 import torch
 
-from fxzero.config.deepspeed_keys import KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key
+from fxzero.config.deepspeed_defaults import DEFAULTS, FIELD_NAMES, OPTIMIZER_DEFAULTS, deepspeed_optimizer, value
+from fxzero.config.deepspeed_keys import (
+    AUTO_IMPLIED, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
 from fxzero.config.policies import Adagrad, Adam, AdamW, OptimizerPolicy, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
@@ -28,9 +38,10 @@ from fxzero.config.schedules import schedule_from_deepspeed
 __all__ = ["DeepSpeedReading", "read_deepspeed"]
 
 _ALIASES = {"bfloat16": "bf16"}
-_DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold
-_COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": None, "float16": None, "bf16": None,
-                "bfloat16": None}
+_COMM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+                "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_NO_TRAINER = ("a trainer (such as Hugging Face's) fills that in before DeepSpeed reads it, and fxzero has no "
+               "trainer to supply it; give a value")
 
 
 class DeepSpeedReading(NamedTuple):
@@ -40,25 +51,42 @@ class DeepSpeedReading(NamedTuple):
     """One message per key that changes nothing in fxzero, for the one-time warning."""
     resolved: list[str]
     """One line per "auto" value resolved here, to print once."""
+    notes: list[str]
+    """How fxzero gives what a key asks by other means (stage 0, prescale_gradients), to print once."""
 
 
 class _Reader:
     def __init__(self) -> None:
         self.ineffective: list[str] = []
         self.resolved: list[str] = []
+        self.notes: list[str] = []
+        self.unresolved: list[str] = []
+        """"auto" values fxzero cannot fill: raised after the walk, so that a feature fxzero does
+        not have, named by the walk, is the error a config with both gets."""
 
     def walk(self, section: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         """The section with every key checked against the table, "auto" resolved; sub-sections
         walked likewise (except the optimizer's and scheduler's params, read by their type)."""
-        out = {}
+        out: dict[str, Any] = {}
         for raw, value in section.items():
             name = _ALIASES.get(raw, raw) if not prefix else raw
-            path = prefix + name
+            path = FIELD_NAMES.get(prefix + name, prefix + name)  # DeepSpeed's field name for a "stage3_" key
+            name = path[len(prefix):]
+            if name in out:
+                raise ValueError(f"DeepSpeed config: {path!r} is given twice (as {raw!r} too); keep one")
             key = KEYS.get(path)
             if key is None:
-                raise ValueError(f"DeepSpeed config: unknown key {prefix + raw!r}{_nearest(prefix, raw)}")
+                near = _nearest(prefix, raw)
+                if not prefix and not near:  # DeepSpeed ignores a top-level key it does not read
+                    self.ineffective.append(f"DeepSpeed config key {raw!r} is not a DeepSpeed key: DeepSpeed "
+                                            "ignores it, and so does fxzero")
+                    continue
+                raise ValueError(f"DeepSpeed config: unknown key {prefix + raw!r}"
+                                 f"{near or _elsewhere(prefix)}")
             if isinstance(value, str) and value == "auto" and not key.honours(value):
                 value = self._auto(path, key)
+                if value is _UNRESOLVED:
+                    continue
             if key.kind == SECTION and path != "optimizer.params":
                 if not isinstance(value, dict):
                     raise ValueError(f"DeepSpeed config: {path!r} must be an object, got {value!r}")
@@ -73,51 +101,71 @@ class _Reader:
 
     def _auto(self, path: str, key: Key) -> Any:
         if not key.has_auto:
-            raise ValueError(
-                f'DeepSpeed config: {path} is "auto": a trainer (such as Hugging Face\'s) fills that in before '
-                "DeepSpeed reads it, and fxzero has no trainer to supply it; give a value")
-        if key.auto is None:
+            self.unresolved.append(f'DeepSpeed config: {path} is "auto": {_NO_TRAINER}')
+            return _UNRESOLVED
+        if key.auto == AUTO_IMPLIED:
             self.resolved.append(f'{path}: "auto" -> implied by the other batch sizes and the world size')
-        else:
-            self.resolved.append(f'{path}: "auto" -> {key.auto} (DeepSpeed\'s default)')
-        return key.auto
+            return None
+        if path not in DEFAULTS:  # a key with no effect, and no default: its warning names it
+            return "auto"
+        resolved = DEFAULTS[path]
+        self.resolved.append(f'{path}: "auto" -> {json.dumps(resolved)} (DeepSpeed\'s default)')
+        return resolved
+
+    def raise_unresolved(self) -> None:
+        if self.unresolved:
+            raise ValueError(self.unresolved[0])
+
+
+_UNRESOLVED = object()
 
 
 def _nearest(prefix: str, raw: str) -> str:
     siblings = [k[len(prefix):] for k in KEYS if k.startswith(prefix) and "." not in k[len(prefix):]]
     near = difflib.get_close_matches(raw, siblings, n=1, cutoff=0.6)
-    where = f"in {prefix[:-1]!r}" if prefix else "at the top level"
-    return f"; did you mean {near[0]!r}?" if near else f" {where} (see docs/deepspeed_config.md for every key)"
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
-def _placement(section: dict[str, Any], key: str) -> Placement:
-    device = str(section.get("device", "none")).lower()
+def _elsewhere(prefix: str) -> str:
+    return f" in {prefix[:-1]!r} (see docs/deepspeed_config.md for every key)"
+
+
+def _placement(get: Any, section: dict[str, Any], key: str) -> Placement:
+    """The tier of zero_optimization.`key` (`section`: its keys, after the deprecated ones)."""
+    path = f"zero_optimization.{key}"
+    pick = lambda name: section.get(name, get(f"{path}.{name}"))  # noqa: E731
+    device = str(pick("device")).lower()
     if device in ("none", ""):
         return Device()
     if device == "cpu":
-        return Cpu(pin_memory=bool(section.get("pin_memory", True)))
+        return Cpu(pin_memory=bool(pick("pin_memory")))
     if device == "nvme":
-        if not section.get("nvme_path"):
+        if not pick("nvme_path"):
             raise ValueError(f'zero_optimization.{key}: device "nvme" needs "nvme_path" (a directory on the disk)')
-        return Nvme(path=section["nvme_path"], threads=int(section.get("buffer_count", 4)))
+        return Nvme(path=str(pick("nvme_path")), threads=int(pick("buffer_count")))
     raise ValueError(f'zero_optimization.{key}.device must be "none", "cpu" or "nvme", got {device!r}')
 
 
-def _offload(zero: dict[str, Any]) -> Offload:
-    param, opt = dict(zero.get("offload_param") or {}), dict(zero.get("offload_optimizer") or {})
-    pin = zero.get("cpu_offload_use_pin_memory")
+def _offload(get: Any) -> Offload:
+    param = dict(get("zero_optimization.offload_param") or {})
+    opt = dict(get("zero_optimization.offload_optimizer") or {})
+    pin = get("zero_optimization.cpu_offload_use_pin_memory")
     for deprecated, section in (("cpu_offload_param", param), ("cpu_offload", opt)):
-        if zero.get(deprecated):
+        if get(f"zero_optimization.{deprecated}"):
             if section.get("device", "none") not in ("none", "cpu"):
                 raise ValueError(f"zero_optimization.{deprecated} is true and says cpu, but its section says "
                                  f"{section['device']!r}: keep one of them")
             section["device"] = "cpu"
             if pin is not None:
                 section.setdefault("pin_memory", bool(pin))
-    return Offload(params=_placement(param, "offload_param"), optimizer=_placement(opt, "offload_optimizer"))
+    return Offload(params=_placement(get, param, "offload_param"),
+                   optimizer=_placement(get, opt, "offload_optimizer"))
 
 
-def _optimizer(section: dict[str, Any]) -> OptimizerPolicy:
+def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
+    """The policy an "optimizer" section names, its missing params at the defaults of the class
+    DeepSpeed builds for it (`deepspeed_optimizer`: FusedAdam's weight decay is 0, torch.optim.AdamW's
+    0.01 with "torch_adam")."""
     kind = str(section.get("type", "AdamW"))
     name = "adam" if kind.lower() in ("adam", "adamw") else kind.lower()
     table = OPTIMIZER_PARAMS.get(name)
@@ -144,51 +192,121 @@ def _optimizer(section: dict[str, Any]) -> OptimizerPolicy:
         if key.kind == UNSUPPORTED and not key.honours(value):
             raise ValueError(f"DeepSpeed config: optimizer.params.{param}={json.dumps(value)} is not supported by "
                              f"fxzero: {key.why}; remove it")
+    defaults = OPTIMIZER_DEFAULTS[deepspeed_optimizer(kind, params, offloaded)]
+    given = lambda k: params.get(k, defaults.get(k))  # noqa: E731  (None: not a param of that class)
     if name == "adagrad":  # torch.optim.Adagrad, as DeepSpeed builds it (DeepSpeedCPUAdagrad when offloaded)
-        return Adagrad(**{k: float(params[k]) for k in table if k in params})
+        return Adagrad(**{k: float(given(k)) for k in table if given(k) is not None})
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam's default).
     decoupled = kind.lower() == "adamw" or bool(params.get("adam_w_mode", True))
     cls = AdamW if decoupled else Adam
-    hyper = {k: params[k] for k in ("lr", "eps", "weight_decay") if k in params}
-    if "betas" in params:
-        hyper["betas"] = tuple(params["betas"])
-    return cls(**{k: float(v) if k != "betas" else v for k, v in hyper.items()})
+    return cls(lr=float(given("lr")), betas=tuple(float(b) for b in given("betas")), eps=float(given("eps")),
+               weight_decay=float(given("weight_decay")))
 
 
-def _mixed_precision(ds: dict[str, Any]) -> "MixedPrecision | None":
-    """"bf16" / "fp16" sections -> MixedPrecision; both enabled is an error. Gradients are
-    reduced in fp32 unless "communication_data_type" names the low-precision type."""
-    bf16, fp16 = dict(ds.get("bf16") or {}), dict(ds.get("fp16") or {})
-    on_bf16, on_fp16 = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+def _reduce_dtype(get: Any, compute: "torch.dtype", offloaded: bool, notes: list[str]) -> "torch.dtype | None":
+    """The dtype gradients are reduced in under mixed precision: `communication_data_type`'s, or
+    the compute dtype where it is missing (DeepSpeed's default), except with prescaled or
+    predivided float16 gradients, which fxzero averages after an fp32 sum (module doc), and with
+    the optimizer states offloaded: fxzero's offloaded gradient shards are fp32 (a low-precision
+    reduction there fails at the first step: the fetch reads fp32), so those reduce in fp32."""
+    comm = get("communication_data_type")
+    if comm is not None:
+        if str(comm).lower() not in _COMM_DTYPES:
+            raise ValueError(f'"communication_data_type" must be one of {sorted(_COMM_DTYPES)} (or null), got {comm!r}')
+        comm = _COMM_DTYPES[str(comm).lower()]
+        if comm not in (torch.float32, compute):
+            raise ValueError(f'DeepSpeed config: "communication_data_type" {get("communication_data_type")!r} with '
+                             f"{str(compute)[6:]} compute: fxzero reduces gradients in fp32 or in the compute dtype; "
+                             'give "fp32", or drop the key (the compute dtype)')
+    scaled = get("prescale_gradients") or get("gradient_predivide_factor") != 1
+    if compute is torch.float16 and scaled:
+        if comm is torch.float16:
+            raise ValueError('DeepSpeed config: prescale_gradients / gradient_predivide_factor with float16 gradients '
+                             'reduced in float16 ("communication_data_type": "fp16"): fxzero divides after the sum, '
+                             "which could overflow float16 where DeepSpeed's divided sum would not; drop "
+                             '"communication_data_type" (fxzero then reduces in fp32) or the prescaling')
+        if comm is None:
+            notes.append("prescale_gradients / gradient_predivide_factor with fp16: fxzero reduces the float16 "
+                         "gradients in fp32 and averages after the sum, so the sum cannot overflow where "
+                         "DeepSpeed's divided float16 sum would not (the same average, without its float16 rounding)")
+            return torch.float32
+    if offloaded and comm is not torch.float32:
+        if comm is not None:
+            raise ValueError(f'DeepSpeed config: "communication_data_type" {get("communication_data_type")!r} with '
+                             "the optimizer states offloaded: fxzero keeps offloaded gradient shards in fp32 and "
+                             'reduces them in fp32; give "fp32", or drop the key')
+        notes.append(f"communication_data_type is DeepSpeed's default ({str(compute)[6:]}, the compute dtype), but "
+                     "with the optimizer states offloaded fxzero reduces the gradients in fp32, the dtype of its "
+                     f"offloaded gradient shards (the same average, without its {str(compute)[6:]} rounding)")
+        return torch.float32
+    return None if comm in (None, compute) else comm
+
+
+def _mixed_precision(get: Any, offloaded: bool, notes: list[str]) -> "MixedPrecision | None":
+    """"bf16" / "fp16" sections -> MixedPrecision; both enabled is an error."""
+    on_bf16, on_fp16 = bool(get("bf16.enabled")), bool(get("fp16.enabled"))
     if on_bf16 and on_fp16:
         raise ValueError('DeepSpeed config: "bf16" and "fp16" are both enabled; enable one of them (bf16 needs '
                          "no loss scaling)")
-    comm = str(ds.get("communication_data_type", "fp32")).lower()
-    if comm not in _COMM_DTYPES:
-        raise ValueError(f'"communication_data_type" must be one of {sorted(_COMM_DTYPES)}, got {comm!r}')
     if not (on_bf16 or on_fp16):
+        comm = get("communication_data_type")
+        if comm is not None and _COMM_DTYPES.get(str(comm).lower()) not in (torch.float32,):
+            raise ValueError(f'DeepSpeed config: "communication_data_type" {comm!r} without a "bf16" or "fp16" '
+                             "section enabled: fxzero reduces fp32 gradients in fp32; enable the section, or drop "
+                             "the key")
         return None
-    reduce_dtype = _COMM_DTYPES[comm]
     if on_bf16:
-        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-    static = float(fp16.get("loss_scale", 0))
+        return MixedPrecision(param_dtype=torch.bfloat16,
+                              reduce_dtype=_reduce_dtype(get, torch.bfloat16, offloaded, notes))
+    static = float(get("fp16.loss_scale"))
     scale = LossScale(
-        initial_scale_power=int(fp16.get("initial_scale_power", 16)),
-        window=int(fp16.get("loss_scale_window", 1000)),
-        hysteresis=int(fp16.get("hysteresis", 2)),
-        min_scale=float(fp16.get("min_loss_scale", 1)),
+        initial_scale_power=int(get("fp16.initial_scale_power")),
+        window=int(get("fp16.loss_scale_window")),
+        hysteresis=int(get("fp16.hysteresis")),
+        min_scale=float(get("fp16.min_loss_scale")),
         static=static if static > 0 else None,
     )
-    return MixedPrecision(param_dtype=torch.float16, reduce_dtype=reduce_dtype, loss_scale=scale)
+    return MixedPrecision(param_dtype=torch.float16, reduce_dtype=_reduce_dtype(get, torch.float16, offloaded, notes),
+                          loss_scale=scale)
 
 
-def _int_or_none(ds: dict[str, Any], key: str) -> "int | None":
-    value = ds.get(key)
-    if value is None:
+def _int_or_none(get: Any, key: str) -> "int | None":
+    v = get(key)
+    if v is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise ValueError(f"DeepSpeed config: {key} must be an integer, got {value!r}")
-    return int(value)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ValueError(f"DeepSpeed config: {key} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _stage(get: Any, given: bool, notes: list[str]) -> int:
+    """ZeRO stage 1, 2 or 3; DeepSpeed's stage 0 (its default) runs as stage 1, said once."""
+    stage = get("zero_optimization.stage")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 0:
+        where = "" if given else " (DeepSpeed's default: the config has no zero_optimization.stage)"
+        notes.append(f"zero_optimization.stage 0, plain data parallelism{where}, runs as ZeRO stage 1: the same "
+                     "averaged gradients and the same update, with each rank keeping its shard of the optimizer "
+                     "states instead of all of them")
+        return 1
+    return int(stage)
+
+
+def _gradient_scaling(get: Any, notes: list[str]) -> None:
+    prescale, factor = get("prescale_gradients"), get("gradient_predivide_factor")
+    if not isinstance(prescale, bool):
+        raise ValueError(f"DeepSpeed config: prescale_gradients must be true or false, got {prescale!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"DeepSpeed config: gradient_predivide_factor must be a number > 0, got {factor!r}")
+    if prescale or factor != 1:
+        what = "prescale_gradients true" if prescale else f"gradient_predivide_factor {factor}"
+        notes.append(f"{what}: DeepSpeed divides the gradients before summing them over ranks, fxzero divides the "
+                     "sum by the world size: the same average (in fp32 with a power-of-two world, bit for bit)")
+
+
+def _given_stage(ds: dict[str, Any]) -> bool:
+    return "stage" in (ds.get("zero_optimization") or {})
 
 
 def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedReading:
@@ -200,28 +318,47 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
             raise ValueError(f"a DeepSpeed config is a JSON object, got {type(ds).__name__}")
     reader = _Reader()
     ds = reader.walk(ds)
-    zero = ds.get("zero_optimization", {})
-    stage = int(zero.get("stage", 3))
-    if stage not in (1, 2, 3):
-        raise ValueError(f"DeepSpeed config: zero_optimization.stage={stage}: fxzero runs ZeRO stages 1, 2 and 3 "
-                         "(stage 1 trains exactly as plain data parallelism, with the optimizer states sharded)")
+    reader.raise_unresolved()
+    get = functools.partial(value, ds)
+    notes = reader.notes
+    stage = _stage(get, _given_stage(ds), notes)
+    _gradient_scaling(get, notes)
+    optimizer_section = ds.get("optimizer")
     for name, key in OPTIMIZER_PARAMS["adam"].items():
-        if key.kind == NO_EFFECT and name in ((ds.get("optimizer") or {}).get("params") or {}):
+        if key.kind == NO_EFFECT and name in ((optimizer_section or {}).get("params") or {}):
             reader.ineffective.append(f"DeepSpeed config key 'optimizer.params.{name}' has no effect in fxzero: "
                                       f"{key.why}")
-    threshold = int(zero.get("stage3_param_persistence_threshold", _DEFAULT_PERSISTENCE)) if stage == 3 else 0
+    if optimizer_section is not None and "type" not in optimizer_section:
+        if optimizer_section.get("params"):
+            raise ValueError('DeepSpeed config: "optimizer" has "params" but no "type": DeepSpeed then builds no '
+                             'optimizer from it and ignores them; name the type ("AdamW", "Adam", "Adagrad"), or '
+                             "drop the section and pass an optimizer to initialize")
+        optimizer_section = None  # (as DeepSpeed: no type, no optimizer from the config)
+    threshold = int(get("zero_optimization.stage3_param_persistence_threshold")) if stage == 3 else 0
     # A reuse distance of 0 releases every parameter after use: gather each unit twice.
-    prefetch = Prefetch(keep_for_backward=None if int(zero.get("stage3_max_reuse_distance", 1)) > 0 else False)
-    clip = ds.get("gradient_clipping")
+    prefetch = Prefetch(keep_for_backward=None if int(get("zero_optimization.stage3_max_reuse_distance")) > 0
+                        else False)
+    offload = _offload(get)
+    if offload.offloaded("param") and stage != 3:
+        said = f"is {get('zero_optimization.stage')}"
+        said += "" if _given_stage(ds) else " (DeepSpeed's default: not given)"
+        raise ValueError(f"DeepSpeed config: zero_optimization.offload_param (device {offload.params.tier!r}) needs "
+                         f"stage=3, and zero_optimization.stage {said}: below stage 3 every rank holds the whole "
+                         'parameters (DeepSpeed ignores offload_param there); set "stage": 3, or drop offload_param')
+    clip = get("gradient_clipping")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ValueError(f"DeepSpeed config: gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}")
     fields = dict(
-        stage=stage, optimizer=_optimizer(ds.get("optimizer") or {}), persist_threshold=threshold,
-        offload=_offload(zero), prefetch=prefetch, mixed_precision=_mixed_precision(ds),
-        train_batch_size=_int_or_none(ds, "train_batch_size"),
-        train_micro_batch_size_per_gpu=_int_or_none(ds, "train_micro_batch_size_per_gpu"),
-        gradient_accumulation_steps=_int_or_none(ds, "gradient_accumulation_steps"),
+        stage=stage, persist_threshold=threshold, offload=offload, prefetch=prefetch,
+        mixed_precision=_mixed_precision(get, offload.offloaded("optimizer"), notes),
+        train_batch_size=_int_or_none(get, "train_batch_size"),
+        train_micro_batch_size_per_gpu=_int_or_none(get, "train_micro_batch_size_per_gpu"),
+        gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),
         gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
-        steps_per_print=_int_or_none({"steps_per_print": 10, **ds}, "steps_per_print"),  # DeepSpeed's default
+        steps_per_print=_int_or_none(get, "steps_per_print"),
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
-        dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)),
+        dataloader_drop_last=bool(get("dataloader_drop_last")),
     )
-    return DeepSpeedReading(fields, reader.ineffective, reader.resolved)
+    if optimizer_section is not None:  # (without one DeepSpeed builds none: Config's default, or the client's)
+        fields["optimizer"] = _optimizer(optimizer_section, offload.offloaded("optimizer"))
+    return DeepSpeedReading(fields, reader.ineffective, reader.resolved, notes)

@@ -11,9 +11,14 @@ key table (`docs/deepspeed_config.md`, rendered by `markdown_table()` and rewrit
   DeepSpeed would (`honoured`: the value that leaves the feature off);
 - `SECTION`: an object whose keys are in the table under it (`"zero_optimization.stage"`).
 
-A key missing from the table is an error naming it and the nearest key DeepSpeed has.
-`"auto"` (a value a trainer fills in) is resolved to `auto`, DeepSpeed's own default, where
-the key has one that fxzero can take without a trainer, and is an error otherwise.
+A key missing from the table is an error naming it and the nearest key DeepSpeed has; at the top
+level, a key with no near match is warned about and ignored, as DeepSpeed ignores it. A key that
+is missing takes DeepSpeed's default (`fxzero/config/deepspeed_defaults.py`, checked against
+DeepSpeed's source). `"auto"` (a value a trainer fills in) is resolved where fxzero can do without
+the trainer (`Key.auto`): to DeepSpeed's default, as DeepSpeed itself reads it in the sections it
+validates with pydantic (`zero_optimization`, `fp16`, `bf16`), for keys that change nothing in
+fxzero, and for `gradient_clipping` and `steps_per_print`; to what the other two imply for the
+batch triple. It is an error elsewhere.
 """
 
 from __future__ import annotations
@@ -22,13 +27,20 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from fxzero.config.deepspeed_defaults import DEEPSPEED_VERSION, DEFAULTS, OPTIMIZER_DEFAULTS
 from fxzero.config.schedules import SCHEDULES
 
-__all__ = ["KEYS", "NO_EFFECT", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES", "SECTION", "UNSUPPORTED", "USED", "Key",
-           "markdown_table"]
+__all__ = ["AUTO_DEFAULT", "AUTO_IMPLIED", "KEYS", "NO_EFFECT", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES", "SECTION",
+           "UNSUPPORTED", "USED", "Key", "markdown_table"]
 
 USED, NO_EFFECT, UNSUPPORTED, SECTION = "used", "no effect", "unsupported", "section"
+AUTO_DEFAULT, AUTO_IMPLIED = "DeepSpeed's default", "implied"
+"""What `"auto"` resolves to: the key's DeepSpeed default, or what the other batch sizes imply."""
 _NOT_SET = object()
+_PYDANTIC_SECTIONS = ("zero_optimization.", "fp16.", "bf16.")
+"""Sections DeepSpeed validates with its pydantic models, which drop an "auto" value (so the
+field keeps its default: `DeepSpeedConfigModel.__init__`); in a section nested below them, and at
+the top level, DeepSpeed keeps "auto" as it is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +50,8 @@ class Key:
     honoured: Any = _NOT_SET
     """UNSUPPORTED: the value (or a tuple of values) fxzero honours as DeepSpeed does."""
     auto: Any = _NOT_SET
-    """What "auto" resolves to (DeepSpeed's default); unset: "auto" is an error."""
+    """What "auto" resolves to: AUTO_DEFAULT (DeepSpeed's default for the key) or AUTO_IMPLIED (the
+    batch triple); unset: "auto" is an error."""
 
     @property
     def honoured_values(self) -> tuple[Any, ...]:
@@ -48,20 +61,40 @@ class Key:
         return self.honoured if isinstance(self.honoured, tuple) else (self.honoured,)
 
     def honours(self, value: Any) -> bool:
-        """Whether `value` leaves fxzero doing what DeepSpeed does with it (True and 1 differ)."""
-        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.honoured_values)
+        """Whether `value` leaves fxzero doing what DeepSpeed does with it (True and 1 differ); for
+        a section honoured when empty, any section that switches nothing on (`_switched_off`)."""
+        if any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.honoured_values):
+            return True
+        return self.honours_switched_off and _switched_off(value)
+
+    @property
+    def honours_switched_off(self) -> bool:
+        return any(isinstance(v, dict) for v in self.honoured_values)
 
     @property
     def has_auto(self) -> bool:
         return self.auto is not _NOT_SET
 
 
+def _switched_off(value: Any) -> bool:
+    """Whether a section turns nothing on: `{}`, `"enabled": false` (whatever else it sets), or
+    made only of such sections (compression_training's techniques, each with its switch in
+    "shared_parameters")."""
+    if not isinstance(value, dict):
+        return False
+    if "enabled" in value:
+        return value["enabled"] is False
+    if "shared_parameters" in value:
+        return _switched_off(value["shared_parameters"])
+    return all(_switched_off(v) for v in value.values())
+
+
 def _used(why: str, auto: Any = _NOT_SET) -> Key:
     return Key(USED, why, auto=auto)
 
 
-def _none(why: str, auto: Any = _NOT_SET) -> Key:
-    return Key(NO_EFFECT, why, auto=auto)
+def _none(why: str) -> Key:
+    return Key(NO_EFFECT, why, auto=AUTO_DEFAULT)  # nothing depends on its value
 
 
 def _off(why: str, honoured: Any = False) -> Key:
@@ -84,15 +117,20 @@ _PARALLEL = "fxzero is data parallel (ZeRO) only"
 KEYS: dict[str, Key] = {
     # -- batch and steps ----------------------------------------------------------------------
     "train_batch_size": _used("Config.train_batch_size; with the two below, one triple checked against the "
-                              "world size (any two imply the third)", auto=None),
+                              "world size (any two imply the third)", auto=AUTO_IMPLIED),
     "train_micro_batch_size_per_gpu": _used("Config.train_micro_batch_size_per_gpu: the batch of the dataloader "
-                                            "fxzero.initialize returns", auto=None),
+                                            "fxzero.initialize returns", auto=AUTO_IMPLIED),
     "gradient_accumulation_steps": _used("Config.gradient_accumulation_steps: engine.step() updates every n-th "
-                                         "call; gradients accumulate in the fp32 gradient shards", auto=None),
+                                         "call; gradients accumulate in the fp32 gradient shards", auto=AUTO_IMPLIED),
+    "managed_gradient_accumulation": _off("fxzero's engine.step() updates at every gradient_accumulation_steps-th "
+                                          "call, as DeepSpeed's default does; a client-owned boundary is not in "
+                                          "fxzero", honoured=True),
     "gradient_clipping": _used("Config.gradient_clipping: the global norm over all ranks' shards, one scalar "
-                               "all-reduce, as torch.nn.utils.clip_grad_norm_"),
+                               "all-reduce, as torch.nn.utils.clip_grad_norm_; 0: no clipping. DeepSpeed clips at "
+                               "1.0 where the key is missing (\"auto\": that default, also the HF trainer's)",
+                               auto=AUTO_DEFAULT),
     "steps_per_print": _used("Config.steps_per_print: each rank's log line (step, loss, lr, loss scale, step "
-                             "time, memory)", auto=10),
+                             "time, memory); missing or null: no log line, as DeepSpeed", auto=AUTO_DEFAULT),
     "dataloader_drop_last": _used("the dataloader fxzero.initialize returns drops the last incomplete batch"),
     "optimizer": _section("the optimizer run on each rank's shards (its type and params)"),
     "optimizer.type": _used("\"Adam\"/\"AdamW\" (Adam with adam_w_mode false: fxzero.Adam, L2 decay) or "
@@ -112,17 +150,20 @@ KEYS: dict[str, Key] = {
     "fp16.hysteresis": _used("LossScale.hysteresis: overflows tolerated before the scale halves"),
     "fp16.min_loss_scale": _used("LossScale.min_scale"),
     "fp16.consecutive_hysteresis": _off("fxzero's hysteresis is DeepSpeed's default (not reset by good steps)"),
-    "fp16.auto_cast": _off("fxzero casts parameters to float16, not the model's inputs: pass float16 inputs "
-                           "where the model needs them"),
-    "fp16.fp16_master_weights_and_grads": _off("fxzero keeps fp32 masters and gradients (what the update reads)"),
+    "fp16.auto_cast": _none("fxzero casts the floating inputs to float16 always (the cast is the program's first "
+                            "node), as auto_cast true does; with false DeepSpeed leaves them as given"),
+    "fp16.fp16_master_weights_and_grads": _off("float16 master weights and gradients are not in fxzero, which keeps "
+                                               "fp32 masters and gradients (what the update reads)"),
     "bf16": _section("bfloat16 compute with fp32 masters (\"bfloat16\" is the same section)"),
     "bf16.enabled": _used("MixedPrecision(param_dtype=torch.bfloat16)"),
     "bf16.immediate_grad_update": _none("fxzero reduces each unit's gradient as the backward produces it"),
     "bf16.check_grad_overflow": _none("fxzero checks the loss for non-finite values at every bfloat16 step"),
-    "bf16.bf16_master_weights_and_grads": _off("fxzero keeps fp32 masters and gradients (what the update reads)"),
-    "bf16.bf16_optimizer_states": _off("fxzero keeps the optimizer states in fp32"),
-    "communication_data_type": _used("\"fp32\": gradients reduced in fp32 (the default); \"bf16\"/\"fp16\": in "
-                                     "the compute dtype (MixedPrecision.reduce_dtype=None)"),
+    "bf16.bf16_master_weights_and_grads": _off("bfloat16 master weights and gradients are not in fxzero, which keeps "
+                                               "fp32 masters and gradients (what the update reads)"),
+    "bf16.bf16_optimizer_states": _off("bfloat16 optimizer states are not in fxzero, which keeps them in fp32"),
+    "communication_data_type": _used("missing or null (DeepSpeed's default): gradients reduced in the compute dtype "
+                                     "(MixedPrecision.reduce_dtype=None), as DeepSpeed; \"fp32\": in fp32; "
+                                     "\"bf16\"/\"fp16\": the compute dtype, named"),
     "seq_parallel_communication_data_type": _none(_PARALLEL),
     "torch_autocast": _off("fxzero's mixed precision casts parameters (\"bf16\"/\"fp16\" sections); use those, or "
                            "torch.autocast in the model", honoured=({}, {"enabled": False})),
@@ -132,23 +173,32 @@ KEYS: dict[str, Key] = {
     "data_types.buffer_dtype": _off("fxzero keeps buffers in the model's own dtype", honoured=None),
     "data_types.keep_in_fp32_modules": _off("fxzero casts every floating parameter of a unit",
                                             honoured=("auto", None)),
-    "prescale_gradients": _off("fxzero averages gradients in the reduce-scatter"),
-    "gradient_predivide_factor": _off("fxzero averages gradients in the reduce-scatter", honoured=(1, 1.0)),
+    "prescale_gradients": _used("true: DeepSpeed divides each gradient by the world size before the sum, fxzero "
+                                "after it: the same average (bit for bit in fp32 with a power-of-two world). "
+                                "Under fp16 with no communication_data_type fxzero then reduces in fp32, so the "
+                                "sum cannot overflow where DeepSpeed's divided one would not (said once)"),
+    "gradient_predivide_factor": _used("f != 1: DeepSpeed divides by f before the sum and by world/f after, fxzero "
+                                       "by the world after: the same average, reduced in fp32 under fp16 as for "
+                                       "prescale_gradients (said once)"),
     "gradient_allreduce_op": _off("fxzero averages gradients (\"mean\")", honoured="mean"),
-    "fp32_allreduce": _none("gradients are reduced in fp32 by default (communication_data_type)"),
-    "sparse_gradients": _off("fxzero reduces dense gradients (nn.Embedding(sparse=True) is not supported)"),
-    "amp": _off("apex AMP is not used: use the \"bf16\" or \"fp16\" section", honoured=({}, {"enabled": False})),
+    "fp32_allreduce": _none("DeepSpeed 0.19 does not read it either: communication_data_type sets the dtype "
+                            "gradients are reduced in"),
+    "sparse_gradients": _off("sparse gradient compression of embeddings (removed from DeepSpeed 0.19 too): fxzero "
+                             "reduces dense gradients"),
+    "amp": _off("apex AMP (removed from DeepSpeed 0.19 too): use the \"bf16\" or \"fp16\" section",
+                honoured=({}, {"enabled": False})),
     # -- ZeRO ---------------------------------------------------------------------------------
     "zero_optimization": _section("ZeRO stage, offload and persistence"),
-    "zero_optimization.stage": _used("Config.stage (1, 2 or 3; DeepSpeed's stage 0, plain data parallelism, is "
-                                     "an error: use stage 1, which trains identically)"),
+    "zero_optimization.stage": _used("Config.stage 1, 2 or 3. Stage 0 (plain data parallelism; DeepSpeed's default "
+                                     "where the key is missing) runs as ZeRO stage 1, said once: the same averaged "
+                                     "gradients and the same update, with the optimizer states sharded"),
     "zero_optimization.contiguous_gradients": _none("fxzero's gradients are flat, contiguous per unit already"),
     "zero_optimization.reduce_scatter": _none("fxzero chooses reduce-scatter or all-reduce per unit by its cost "
                                               "model (Config.cost_model)"),
-    "zero_optimization.reduce_bucket_size": _none(_BUCKETS, auto=500_000_000),
+    "zero_optimization.reduce_bucket_size": _none(_BUCKETS),
     "zero_optimization.allgather_partitions": _none("ZeRO-1/2 re-gather the updated parameters with all-gathers "
                                                     "always"),
-    "zero_optimization.allgather_bucket_size": _none(_BUCKETS, auto=500_000_000),
+    "zero_optimization.allgather_bucket_size": _none(_BUCKETS),
     "zero_optimization.use_multi_rank_bucket_allreduce": _none(_BUCKETS),
     "zero_optimization.overlap_comm": _none(_OVERLAP),
     "zero_optimization.compute_grad_norm": _none("the norm is computed where gradient_clipping needs it"),
@@ -172,25 +222,26 @@ KEYS: dict[str, Key] = {
     "zero_optimization.offload_optimizer.fast_init": _none("fxzero writes the initial states unit by unit"),
     "zero_optimization.offload_optimizer.ratio": _off("fxzero offloads all of the optimizer states or none",
                                                       honoured=(1, 1.0)),
-    "zero_optimization.offload_optimizer.super_offload": _off("not in fxzero"),
+    "zero_optimization.offload_optimizer.super_offload": _off("SuperOffload (Superchip CPU offload) is not in "
+                                                              "fxzero"),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": _none("fxzero's update uses torch's threads"),
     "zero_optimization.cpu_offload": _used("(deprecated) true: offload_optimizer on cpu"),
     "zero_optimization.cpu_offload_param": _used("(deprecated) true: offload_param on cpu"),
     "zero_optimization.cpu_offload_use_pin_memory": _used("(deprecated) Cpu.pin_memory"),
-    "zero_optimization.zenflow": _off("not in fxzero", honoured=None),
+    "zero_optimization.zenflow": _off("ZenFlow (offload with top-k gradient updates between full ones) is not in "
+                                      "fxzero", honoured=None),
     "zero_optimization.sub_group_size": _none("fxzero updates one unit's shard at a time"),
     "zero_optimization.stage3_prefetch_bucket_size": _none("fxzero's prefetch is bounded in bytes by "
-                                                           "Prefetch.max_live_bytes, sized from the schedule",
-                                                           auto=50_000_000),
+                                                           "Prefetch.max_live_bytes, sized from the schedule"),
     "zero_optimization.stage3_param_persistence_threshold": _used(
         "Config.persist_threshold, per unit: a unit with fewer parameters is held whole. DeepSpeed's is per "
-        "parameter; fxzero warns when a unit it shards holds parameters DeepSpeed would keep whole", auto=100_000),
+        "parameter; fxzero warns when a unit it shards holds parameters DeepSpeed would keep whole"),
     "zero_optimization.stage3_model_persistence_threshold": _none("fxzero bounds persistence per unit only"),
     "zero_optimization.stage3_max_live_parameters": _none("fxzero's prefetch is bounded in bytes by "
-                                                          "Prefetch.max_live_bytes", auto=1_000_000_000),
+                                                          "Prefetch.max_live_bytes"),
     "zero_optimization.stage3_max_reuse_distance": _used("0: every unit is gathered again for the backward "
                                                          "(Prefetch(keep_for_backward=False)); > 0: kept where "
-                                                         "the prefetch budget allows", auto=1_000_000_000),
+                                                         "the prefetch budget allows"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _none("engine.full_state_dict() gathers the "
                                                                          "full parameters; export is the "
                                                                          "checkpoint issue"),
@@ -208,8 +259,12 @@ KEYS: dict[str, Key] = {
     "zero_optimization.zero_quantized_weights": _off(_QUANT),
     "zero_optimization.zero_quantized_nontrainable_weights": _off(_QUANT),
     "zero_optimization.zero_quantized_gradients": _off(_QUANT),
-    "zero_optimization.mics_shard_size": _off("fxzero shards over the whole world (no MiCS)", honoured=(-1,)),
-    "zero_optimization.mics_hierarchical_params_gather": _off("fxzero shards over the whole world (no MiCS)"),
+    "zero_optimization.mics_shard_size": _off("MiCS (removed from DeepSpeed 0.19 too): fxzero shards over the whole "
+                                              "world", honoured=(-1,)),
+    "zero_optimization.mics_hierarchical_params_gather": _off("MiCS (removed from DeepSpeed 0.19 too): fxzero shards "
+                                                              "over the whole world"),
+    "zero_optimization.zeropp_loco_param": _off("LoCo-ZeRO++ (removed from DeepSpeed 0.19 too): fxzero gathers and "
+                                                "reduces unquantized values", honoured=None),
     "zero_optimization.memory_efficient_linear": _none("fxzero traces the model's own linear layers"),
     "zero_optimization.pipeline_loading_checkpoint": _none("no checkpoint loading yet (the checkpoint issue)"),
     "zero_optimization.override_module_apply": _none("fxzero does not patch modules"),
@@ -234,38 +289,72 @@ KEYS: dict[str, Key] = {
     "timers": _none(_MONITOR),
     "log_level": _none("fxzero logs through Python's logging and warnings"),
     "disable_allgather": _off("ZeRO-1/2 re-gather the updated parameters"),
-    "elasticity": _off("fxzero's world is fixed at launch", honoured=({}, {"enabled": False})),
-    "autotuning": _off("fxzero's compiler picks its own schedule", honoured=({}, {"enabled": False})),
-    "compression_training": _off("not in fxzero", honoured={}),
-    "data_efficiency": _off("not in fxzero", honoured=({}, {"enabled": False})),
-    "curriculum_learning": _off("not in fxzero", honoured=({}, {"enabled": False})),
-    "sparse_attention": _off("not in fxzero", honoured=None),
+    "elasticity": _off("elastic training (removed from DeepSpeed 0.19 too): fxzero's world is fixed at launch",
+                       honoured=({}, {"enabled": False})),
+    "autotuning": _none("configures DeepSpeed's autotuner (`deepspeed --autotuning`), which runs the script under "
+                        "candidate configs and stops each after its profiled steps; fxzero's compiler picks its "
+                        "schedule with its cost model, and this run trains with the config's own values"),
+    "compression_training": _off("DeepSpeed's compression library, quantization-aware training, pruning and layer "
+                                 "reduction (removed from DeepSpeed 0.19 too), is not in fxzero", honoured={}),
+    "data_efficiency": _off("DeepSpeed's data efficiency library, curriculum learning and random layer-token drop "
+                            "(random-LTD), is not in fxzero", honoured=({}, {"enabled": False})),
+    "curriculum_learning": _off("curriculum learning (removed from DeepSpeed 0.19 too) is not in fxzero",
+                                honoured=({}, {"enabled": False})),
+    "progressive_layer_drop": _off("progressive layer dropping (removed from DeepSpeed 0.19 too) is not in fxzero",
+                                   honoured=({}, {"enabled": False})),
+    "quantize_training": _off("Mixture-of-Quantization, MoQ (removed from DeepSpeed 0.19 too), is not in fxzero",
+                              honoured=({}, {"enabled": False})),
+    "eigenvalue": _off("eigenvalue-based MoQ (removed from DeepSpeed 0.19 too) is not in fxzero",
+                       honoured=({}, {"enabled": False})),
+    "graph_harvesting": _off("graph harvesting (removed from DeepSpeed 0.19 too) is not in fxzero"),
+    "sparse_attention": _off("sparse attention (removed from DeepSpeed 0.19 too) is not in fxzero", honoured=None),
     "pipeline": _none("configures DeepSpeed's PipelineModule, which fxzero does not have"),
-    "hybrid_engine": _off("not in fxzero", honoured=({}, {"enabled": False})),
-    "tensor_parallel": _off(_PARALLEL, honoured={}),
-    "expert_parallel": _off(_PARALLEL, honoured={}),
-    "sequence_parallel_size": _off(_PARALLEL, honoured=1),
+    "hybrid_engine": _off("the hybrid engine (RLHF generation) is not in fxzero", honoured=({}, {"enabled": False})),
+    "tensor_parallel": _off(f"tensor parallelism (AutoTP): {_PARALLEL}", honoured={}),
+    "expert_parallel": _off(f"expert parallelism: {_PARALLEL}", honoured={}),
+    "sequence_parallel_size": _off(f"sequence parallelism: {_PARALLEL}", honoured=1),
     "weight_quantization": _off(_QUANT),
-    "nebula": _off("fxzero writes no Nebula checkpoints", honoured=({}, {"enabled": False})),
+    "nebula": _off("Nebula checkpoints (removed from DeepSpeed 0.19 too) are not in fxzero",
+                   honoured=({}, {"enabled": False})),
     "datastates": _off("fxzero writes no DataStates checkpoints", honoured=({}, {"enabled": False})),
-    "compile": _off("fxzero is the compiler: DeepSpeed's compile section configures torch.compile of the module",
-                    honoured={}),
+    "compile": _off("DeepCompile and torch.compile of the module (DeepSpeed's engine.compile()) are not in fxzero, "
+                    "which compiles the model into its own programs", honoured={}),
     "vocabulary_size": _none("only DeepSpeed's tensor-core alignment warning reads it"),
     "use_data_before_expert_parallelism": _none(_PARALLEL),
     "disable_python_gc": _none("fxzero leaves Python's garbage collector alone"),
     "memory_efficient_linear": _none("fxzero traces the model's own linear layers"),
 }
 
+
+def _auto_in_pydantic_sections(keys: dict[str, Key]) -> dict[str, Key]:
+    """KEYS with "auto" resolving to the default for each key directly in a section DeepSpeed
+    drops "auto" from (_PYDANTIC_SECTIONS), where it has a default."""
+    out = {}
+    for path, key in keys.items():
+        direct = any(path.startswith(p) and "." not in path[len(p):] for p in _PYDANTIC_SECTIONS)
+        if direct and key.kind != SECTION and not key.has_auto and path in DEFAULTS:
+            key = dataclasses.replace(key, auto=AUTO_DEFAULT)
+        out[path] = key
+    return out
+
+
+KEYS = _auto_in_pydantic_sections(KEYS)
+
 OPTIMIZER_PARAMS: dict[str, dict[str, Key]] = {
     "adam": {
         "lr": _used("AdamW.lr / Adam.lr (the initial lr of every param group)"),
         "betas": _used("betas"),
         "eps": _used("eps"),
-        "weight_decay": _used("weight_decay: decoupled for AdamW (adam_w_mode true), L2 for Adam"),
+        "weight_decay": _used("weight_decay: decoupled for AdamW (adam_w_mode true), L2 for Adam; missing: the "
+                              "default of the class DeepSpeed builds (0, or torch.optim.AdamW's 0.01 with "
+                              "torch_adam)"),
         "adam_w_mode": _used("true (DeepSpeed's default, also for \"Adam\"): AdamW; false: Adam with L2 decay"),
-        "torch_adam": _none("fxzero's update has torch.optim's arithmetic either way"),
+        "torch_adam": _used("true: DeepSpeed builds torch.optim.AdamW (or Adam), so its defaults apply to the "
+                            "params not given; fxzero's update has torch.optim's arithmetic either way"),
         "fused": _none("fxzero's update is one per unit shard"),
-        "bias_correction": _off("fxzero's Adam corrects the moments' bias, as torch.optim does", honoured=True),
+        "bias_correction": _off("Adam without bias correction is not in fxzero: its Adam corrects the moments' "
+                                "bias, as torch.optim does (the first steps would differ from DeepSpeed's)",
+                                honoured=True),
         "amsgrad": _off("fxzero's Adam has no AMSGrad variant", honoured=False),
         "fp32_optimizer_states": _none("fxzero keeps the optimizer states in fp32 always"),
     },
@@ -305,20 +394,36 @@ def _effect(key: Key) -> str:
         return "section"
     if not key.honoured_values:
         return "error"
-    return "error unless " + " or ".join(_json(v) for v in key.honoured_values)
+    off = " (or any section whose every `enabled` is false)" if key.honours_switched_off else ""
+    return "error unless " + " or ".join(_json(v) for v in key.honoured_values) + off
 
 
-def _auto(key: Key) -> str:
+def _auto(path: str, key: Key) -> str:
     """What `"auto"` resolves to (the "auto" column)."""
     if not key.has_auto:
         return "error"
-    return "implied by the other two" if key.auto is None else _json(key.auto)
+    if key.auto == AUTO_IMPLIED:
+        return "implied by the other two"
+    return _json(DEFAULTS[path]) if path in DEFAULTS else "accepted"
+
+
+def _default(path: str) -> str:
+    """DeepSpeed's default (the "default" column); empty where DeepSpeed reads none."""
+    return _json(DEFAULTS[path]) if path in DEFAULTS else ""
 
 
 def _key_rows(keys: dict[str, Key]) -> list[str]:
-    rows = ['| key | fxzero | "auto" | why |', "|---|---|---|---|"]
+    rows = ['| key | fxzero | default | "auto" | why |', "|---|---|---|---|---|"]
     for path, key in keys.items():
-        rows.append(f"| `{path}` | {_cell(_effect(key))} | {_cell(_auto(key))} | {_cell(key.why)} |")
+        rows.append(f"| `{path}` | {_cell(_effect(key))} | {_cell(_default(path))} | {_cell(_auto(path, key))} "
+                    f"| {_cell(key.why)} |")
+    return rows
+
+
+def _optimizer_default_rows() -> list[str]:
+    rows = ["| class | defaults |", "|---|---|"]
+    for cls, defaults in OPTIMIZER_DEFAULTS.items():
+        rows.append(f"| `{cls}` | " + ", ".join(f"`{p}` {_cell(_json(v))}" for p, v in defaults.items()) + " |")
     return rows
 
 
@@ -336,12 +441,22 @@ def markdown_table() -> str:
     """The docs' generated key tables (`docs/deepspeed_config.md` between its markers): every key
     of `KEYS` in order, the optimizer params per type, and the scheduler types with their params."""
     out = ["<!-- generated from fxzero/config/deepspeed_keys.py by tools/deepspeed_keys_doc.py: do not edit -->",
-           "", "### Keys", ""]
+           "", "### Keys", "",
+           f"The default column is DeepSpeed {DEEPSPEED_VERSION}'s, what a missing key means "
+           "(`fxzero/config/deepspeed_defaults.py`, checked against DeepSpeed's source).", ""]
     out += _key_rows(KEYS)
     for table, keys in OPTIMIZER_PARAMS.items():
         types = " or ".join(f'`"{t}"`' for t in OPTIMIZER_TYPES.get(table, (table,)))
         out += ["", f"### Optimizer params (`optimizer.type` {types})", ""]
         out += _key_rows({f"optimizer.params.{name}": key for name, key in keys.items()})
+    out += ["", "### Optimizer defaults", "",
+            "A param the config leaves out takes the default of the class DeepSpeed builds for the section: for "
+            '`"Adam"`/`"AdamW"`, `torch.optim.AdamW` (or `Adam` with `"adam_w_mode": false`) with `"torch_adam": '
+            'true`, `DeepSpeedCPUAdam` with the optimizer states offloaded, `FusedAdam` otherwise; for '
+            '`"Adagrad"`, `DeepSpeedCPUAdagrad` offloaded, `torch.optim.Adagrad` otherwise; `"Lion"`, '
+            '`DeepSpeedCPULion` or `FusedLion`; `"Lamb"`, `FusedLamb`; a type DeepSpeed does not build itself, the '
+            "`torch.optim` class of that name (`fxzero.config.deepspeed_defaults.deepspeed_optimizer`).", ""]
+    out += _optimizer_default_rows()
     out += ["", "### Scheduler types and params", "",
             'The `"scheduler"` section is `{"type": ..., "params": {...}}`; a param not given takes the default '
             "shown (DeepSpeed's), a required one is an error when missing, and `\"auto\"` is an error.", ""]

@@ -53,8 +53,6 @@ def test_the_textbook_script_trains_with_only_its_import_changed(tmp_path):
     # it stays within a few of them (DeepSpeed itself prints 6.2461 at both epochs).
     for loss in _losses(proc):
         assert abs(loss - math.log(512)) < 0.02, proc.stdout
-    # DeepSpeed's default steps_per_print (10): each rank's log line, with float16's loss scale
-    for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] step=10 skipped=\d+ loss=[\d.]+ lr=\[2\.000e-05\] loss_scale=\d+",
-                         proc.stdout), proc.stdout[-4000:]
+    # DeepSpeed 0.19's default steps_per_print is none: no log line (fxzero/config/deepspeed_defaults.py)
+    assert not re.search(r"\[rank \d\] step=\d+ skipped=", proc.stdout), proc.stdout[-4000:]
     assert "IneffectiveSetting: DeepSpeed config key 'zero_optimization.overlap_comm' has no effect" in proc.stderr

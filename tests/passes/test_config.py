@@ -32,8 +32,9 @@ def test_stage(stage):
 
 def test_defaults_of_an_empty_config():
     cfg = Config.from_deepspeed({})
-    # DeepSpeed's defaults where a key is missing: stage3_param_persistence_threshold is 1e5
-    assert cfg.stage == 3 and cfg.optimizer == AdamW() and cfg.persist_threshold == 100_000
+    # DeepSpeed's defaults where a key is missing: stage 0, run as stage 1 (tests/passes/test_deepspeed_defaults.py)
+    assert cfg.stage == 1 and cfg.optimizer == AdamW() and cfg.persist_threshold == 0
+    assert Config.from_deepspeed(_ds(stage=3)).persist_threshold == 100_000  # stage3_param_persistence_threshold
     assert cfg.offload == Offload() and cfg.prefetch == Prefetch()
 
 
@@ -43,8 +44,8 @@ def test_optimizer_params_are_read(kind):
                                                  "weight_decay": 0.25}}}
     opt = Config.from_deepspeed(ds).optimizer
     assert opt == AdamW(lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.25)
-    # each on its own, the others at their defaults
-    defaults = AdamW()
+    # each on its own, the others at their defaults: FusedAdam's, what DeepSpeed builds (weight decay 0)
+    defaults = AdamW(weight_decay=0.0)
     for key, value, field in [("lr", 0.5, "lr"), ("betas", [0.5, 0.75], "betas"), ("eps", 0.125, "eps"),
                               ("weight_decay", 0.375, "weight_decay")]:
         got = Config.from_deepspeed({"optimizer": {"type": kind, "params": {key: value}}}).optimizer
@@ -62,8 +63,8 @@ def test_unsupported_optimizer_type():
 
 def test_persistence_threshold_applies_at_stage_3_only():
     assert Config.from_deepspeed(_ds(stage=3, stage3_param_persistence_threshold=12345)).persist_threshold == 12345
-    # the default stage is 3
-    assert Config.from_deepspeed(_ds(stage3_param_persistence_threshold=777)).persist_threshold == 777
+    # DeepSpeed's default stage is 0, run as stage 1: no persistence threshold
+    assert Config.from_deepspeed(_ds(stage3_param_persistence_threshold=777)).persist_threshold == 0
     for stage in (1, 2):
         cfg = Config.from_deepspeed(_ds(stage=stage, stage3_param_persistence_threshold=12345))
         assert cfg.persist_threshold == 0, stage
@@ -80,18 +81,18 @@ def test_reuse_distance_maps_to_keep_for_backward():
 
 
 def test_offload_cpu():
-    cfg = Config.from_deepspeed(_ds(offload_param={"device": "cpu", "pin_memory": False},
+    cfg = Config.from_deepspeed(_ds(stage=3, offload_param={"device": "cpu", "pin_memory": False},
                                     offload_optimizer={"device": "cpu", "pin_memory": True}))
     assert cfg.offload.params == Cpu(pin_memory=False)
     assert cfg.offload.optimizer == Cpu(pin_memory=True)
     # pin_memory defaults to True; "none" is the device
-    cfg = Config.from_deepspeed(_ds(offload_optimizer={"device": "CPU"}, offload_param={"device": "none"}))
+    cfg = Config.from_deepspeed(_ds(stage=3, offload_optimizer={"device": "CPU"}, offload_param={"device": "none"}))
     assert cfg.offload.optimizer == Cpu(pin_memory=True) and cfg.offload.params == Device()
 
 
 def test_offload_nvme(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    cfg = Config.from_deepspeed(_ds(offload_param={"device": "nvme", "nvme_path": str(a), "buffer_count": 7},
+    cfg = Config.from_deepspeed(_ds(stage=3, offload_param={"device": "nvme", "nvme_path": str(a), "buffer_count": 7},
                                     offload_optimizer={"device": "nvme", "nvme_path": str(b), "buffer_count": 3}))
     assert cfg.offload.params == Nvme(path=str(a), threads=7)
     assert cfg.offload.optimizer == Nvme(path=str(b), threads=3)
@@ -125,7 +126,8 @@ def test_reads_a_json_file(tmp_path, as_path):
     cfg = Config.from_deepspeed(as_path(path))
     assert cfg == Config(stage=3, optimizer=AdamW(lr=2e-4, betas=(0.7, 0.9), eps=1e-7, weight_decay=0.05),
                          persist_threshold=4096, prefetch=Prefetch(keep_for_backward=False),
-                         offload=Offload(optimizer=Cpu(pin_memory=False)), steps_per_print=10)  # DeepSpeed's default
+                         offload=Offload(optimizer=Cpu(pin_memory=False)),
+                         gradient_clipping=1.0)  # DeepSpeed's defaults: clipping at 1.0, no log line
     assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(ds)
 
 

@@ -76,7 +76,10 @@ def test_a_json_file_reads_as_its_dict(tmp_path):
     ({"zero_optimization": {"offload_optimizer": {"devce": "cpu"}}},
      r"'zero_optimization.offload_optimizer.devce'; did you mean 'device'\?"),
     ({"fp16": {"enabeld": True}}, r"'fp16.enabeld'; did you mean 'enabled'\?"),
-    ({"no_such_thing": 1}, r"unknown key 'no_such_thing' at the top level"),
+    ({"zero_optimization": {"no_such_thing": 1}}, r"unknown key 'zero_optimization.no_such_thing' in "
+                                                   r"'zero_optimization' \(see docs/deepspeed_config.md"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}},
+     r"'zero_optimization.stage3_prefetch_bucket_size' is given twice \(as 'prefetch_bucket_size' too\)"),
     ({"optimizer": {"type": "AdamW", "params": {"lrr": 1e-3}}}, r"optimizer.params has no 'lrr' for AdamW; did you "
                                                                  r"mean 'lr'\?"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, r"top-level \"gradient_clipping\""),
@@ -110,8 +113,15 @@ def test_adam_is_adamw_unless_adam_w_mode_is_false():
      r"offload_optimizer.ratio=0.3 is not supported by fxzero: fxzero offloads all"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, r"zero_quantized_weights=true is not supported"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad=true is not supported"),
-    ({"zero_optimization": {"stage": 0}}, r"stage=0: fxzero runs ZeRO stages 1, 2 and 3"),
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
     ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op=\"sum\" is not supported"),
+    ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, r"\"communication_data_type\" 'fp16' with "
+                                                                     r"bfloat16 compute: fxzero reduces"),
+    ({"communication_data_type": "bf16"}, r"'bf16' without a \"bf16\" or \"fp16\" section enabled"),
+    ({"fp16": {"enabled": True}, "communication_data_type": "fp16", "prescale_gradients": True},
+     r"could overflow float16 where DeepSpeed's divided sum would not; drop \"communication_data_type\""),
+    ({"gradient_clipping": -1}, r"gradient_clipping must be a number >= 0"),
+    ({"optimizer": {"params": {"lr": 0.1}}}, r"\"optimizer\" has \"params\" but no \"type\""),
 ])
 def test_mistakes_and_unsupported_features_are_errors(ds, message):
     with pytest.raises(ValueError, match=message):
@@ -128,8 +138,9 @@ def test_unsupported_features_switched_off_are_accepted_quietly():
 
 @pytest.mark.parametrize("ds, message", [
     ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, r"optimizer.params.lr is \"auto\""),
-    ({"gradient_clipping": "auto"}, r"gradient_clipping is \"auto\""),
-    ({"fp16": {"enabled": "auto"}}, r"fp16.enabled is \"auto\""),
+    ({"dataloader_drop_last": "auto"}, r"dataloader_drop_last is \"auto\""),
+    ({"zero_optimization": {"offload_optimizer": {"device": "auto"}}},
+     r"zero_optimization.offload_optimizer.device is \"auto\""),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, r"warmup_max_lr is \"auto\""),
 ])
 def test_auto_that_cannot_be_resolved_is_an_error(ds, message):
@@ -139,7 +150,7 @@ def test_auto_that_cannot_be_resolved_is_an_error(ds, message):
 
 def test_auto_that_can_be_resolved_is_printed_once(capsys):
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-          "zero_optimization": {"stage3_param_persistence_threshold": "auto", "reduce_bucket_size": "auto"}}
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto", "reduce_bucket_size": "auto"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IneffectiveSetting)
         cfg = Config.from_deepspeed(ds)
@@ -182,3 +193,92 @@ def test_an_inconsistent_triple_names_all_three_and_the_world(given, world):
     with pytest.raises(ValueError, match=rf"train_batch_size={given[0]}, train_micro_batch_size_per_gpu={given[1]}, "
                                          rf"gradient_accumulation_steps={given[2]}, world size {world}"):
         resolve_batch(*given, world)
+
+
+# -- configs as people write them -----------------------------------------------------------------
+
+
+def test_a_top_level_key_deepspeed_does_not_have_is_warned_about_and_ignored():
+    # DeepSpeed ignores a top-level key it does not read (training/imagenet's "cuda_visible_devices")
+    reading = read_deepspeed({"cuda_visible_devices": 0, "train_batch_size": 8})
+    assert reading.fields["train_batch_size"] == 8
+    assert reading.ineffective == ["DeepSpeed config key 'cuda_visible_devices' is not a DeepSpeed key: DeepSpeed "
+                                   "ignores it, and so does fxzero"]
+    with pytest.warns(IneffectiveSetting, match="'cuda_visible_devices' is not a DeepSpeed key"):
+        Config.from_deepspeed({"cuda_visible_devices": 0})
+
+
+@pytest.mark.parametrize("given", [{}, {"zero_optimization": {"stage": 0}}])
+def test_stage_0_runs_as_stage_1_said_once(given, capsys):
+    for _ in range(2):
+        assert Config.from_deepspeed(given).stage == 1
+    out = capsys.readouterr().out
+    assert out.count("zero_optimization.stage 0, plain data parallelism") == 1
+    assert ("(DeepSpeed's default: the config has no zero_optimization.stage)" in out) == (given == {})
+    assert "runs as ZeRO stage 1: the same averaged gradients and the same update" in out
+
+
+@pytest.mark.parametrize("ds, reduce_dtype, said", [
+    ({"prescale_gradients": True}, None, "prescale_gradients true: DeepSpeed divides the gradients before"),
+    ({"gradient_predivide_factor": 8}, None, "gradient_predivide_factor 8: DeepSpeed divides"),
+    ({"prescale_gradients": True, "bf16": {"enabled": True}}, torch.bfloat16, "prescale_gradients true"),
+    # float16: an fp32 sum, so no overflow where DeepSpeed's divided float16 one has none
+    ({"prescale_gradients": True, "fp16": {"enabled": True}}, torch.float32, "reduces the float16 gradients in fp32"),
+    ({"gradient_predivide_factor": 2.0, "fp16": {"enabled": True}}, torch.float32, "in fp32"),
+    ({"prescale_gradients": True, "fp16": {"enabled": True}, "communication_data_type": "fp32"}, torch.float32,
+     "prescale_gradients true"),
+    ({"prescale_gradients": False, "gradient_predivide_factor": 1.0, "fp16": {"enabled": True}}, torch.float16, None),
+])
+def test_prescaled_gradients_are_the_same_average_said_once(ds, reduce_dtype, said):
+    reading = read_deepspeed({"zero_optimization": {"stage": 2}, **ds})
+    mp = reading.fields["mixed_precision"]
+    assert (mp.grad_dtype if mp is not None else None) is reduce_dtype
+    if said is None:
+        assert not reading.notes
+    else:
+        assert [n for n in reading.notes if said in n]
+
+
+def test_auto_in_deepspeeds_pydantic_sections_is_the_default(capsys):
+    # DeepSpeed's config models drop "auto" (DeepSpeedConfigModel), so it reads as the default there:
+    # bf16 off, as training/tensor_parallel's config reads under DeepSpeed without the HF trainer
+    ds = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "loss_scale_window": "auto"},
+          "zero_optimization": {"stage": "auto", "stage3_max_live_parameters": "auto"}, "gradient_clipping": "auto"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IneffectiveSetting)
+        cfg = Config.from_deepspeed(ds)
+    assert cfg.mixed_precision is None and cfg.stage == 1 and cfg.gradient_clipping == 1.0
+    out = capsys.readouterr().out
+    for line in ('bf16.enabled: "auto" -> false (DeepSpeed\'s default)', 'zero_optimization.stage: "auto" -> 0',
+                 'gradient_clipping: "auto" -> 1.0'):
+        assert line in out
+    # below those sections DeepSpeed keeps "auto", and a value fxzero uses is refused
+    with pytest.raises(ValueError, match=r"offload_param.pin_memory is \"auto\""):
+        read_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "auto"}}})
+    # a key that changes nothing takes it anywhere
+    read_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": "auto"}}})
+
+
+def test_a_feature_fxzero_lacks_is_named_before_an_auto_it_cannot_fill():
+    with pytest.raises(ValueError, match=r"tensor_parallel=.*tensor parallelism \(AutoTP\)"):
+        read_deepspeed({"dataloader_drop_last": "auto", "tensor_parallel": {"autotp_size": 4}})
+
+
+def test_deepspeeds_field_names_for_stage3_keys():
+    cfg = Config.from_deepspeed({"zero_optimization": {"stage": 3, "param_persistence_threshold": 77,
+                                                       "max_reuse_distance": 0}})
+    assert cfg.persist_threshold == 77 and cfg.prefetch.keep_for_backward is False
+
+
+@pytest.mark.parametrize("section", ["flops_profiler", "compression_training", "data_efficiency", "torch_autocast"])
+def test_a_section_that_switches_nothing_on_is_accepted(section):
+    off = {"flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1},
+           "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False},
+                                                            "different_groups": {"wq1": {"params": {}}}},
+                                    "layer_reduction": {"enabled": False, "keep_number_layer": 5}},
+           "data_efficiency": {"enabled": False, "seed": 1234},
+           "torch_autocast": {"enabled": False, "dtype": "bfloat16"}}[section]
+    read_deepspeed({section: off})
+    on = {**off, "enabled": True} if "enabled" in off else {**off, "layer_reduction": {"enabled": True}}
+    with pytest.raises(ValueError, match=rf"{section}=.* is not supported by fxzero"):
+        read_deepspeed({section: on})

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fxzero.config.deepspeed import read_deepspeed
+from fxzero.config.deepspeed_defaults import DEFAULTS
 from fxzero.config.deepspeed_keys import (
     KEYS, NO_EFFECT, OPTIMIZER_PARAMS, OPTIMIZER_TYPES, UNSUPPORTED, Key, markdown_table)
 from fxzero.config.schedules import SCHEDULES
@@ -111,17 +112,26 @@ def test_every_key_optimizer_param_and_schedule_is_in_the_doc():
 def test_rows_say_what_happens_and_what_auto_becomes():
     table = markdown_table()
     for row in (
-        "| `zero_optimization.reduce_bucket_size` | no effect (warned once) | `500000000` |",
-        "| `train_batch_size` | used | implied by the other two |",
-        '| `torch_autocast` | error unless `{}` or `{"enabled": false}` | error |',
-        "| `zero_optimization.zero_quantized_weights` | error unless `false` | error |",
-        "| `zero_optimization` | section | error |",
-        "| `optimizer.params.bias_correction` | error unless `true` | error |",
+        "| `zero_optimization.reduce_bucket_size` | no effect (warned once) | `500000000` | `500000000` |",
+        "| `train_batch_size` | used | `null` | implied by the other two |",
+        '| `torch_autocast` | error unless `{}` or `{"enabled": false}` (or any section whose every `enabled` is '
+        'false) |  | error |',
+        "| `zero_optimization.zero_quantized_weights` | error unless `false` | `false` | `false` |",
+        "| `zero_optimization.stage` | used | `0` | `0` |",
+        "| `gradient_clipping` | used | `1.0` | `1.0` |",
+        "| `steps_per_print` | used | `null` | `null` |",
+        "| `zero_optimization.offload_param.buffer_count` | used | `5` | error |",
+        "| `aio` | no effect (warned once) |  | accepted |",
+        "| `zero_optimization` | section |  | error |",
+        "| `optimizer.params.bias_correction` | error unless `true` |  | error |",
+        "| `FusedAdam` | `lr` `0.001`, `betas` `[0.9, 0.999]`, `eps` `1e-08`, `weight_decay` `0.0`,",
+        "| `torch.optim.AdamW` | `lr` `0.001`, `betas` `[0.9, 0.999]`, `eps` `1e-08`, `weight_decay` `0.01`,",
         '| `"OneCycle"` | `cycle_min_lr` | required |',
         '| `"WarmupLR"` | `warmup_max_lr` | `null` |',
     ):
         assert row in table, row
-    key_rows = [line for line in table.splitlines() if line.startswith("| `") and not line.startswith('| `"')]
+    keys_part = table.split("### Optimizer defaults")[0]
+    key_rows = [line for line in keys_part.splitlines() if line.startswith("| `") and not line.startswith('| `"')]
     assert len(key_rows) == len(ALL_KEYS)  # one row per key (per optimizer type's table), sections included
     assert "### Optimizer params (`optimizer.type` `\"Adagrad\"`)" in table
 
@@ -167,6 +177,9 @@ def test_an_unsupported_key_with_another_value_is_an_error_naming_it(path):
 @pytest.mark.parametrize("path", [p for p, k in KEYS.items() if k.has_auto])
 def test_auto_resolves_where_the_table_says_and_is_printed(path):
     reading = read_deepspeed(nested(path, "auto"))
+    if KEYS[path].kind == NO_EFFECT and path not in DEFAULTS:  # nothing to resolve to: its warning names it
+        assert [m for m in reading.ineffective if f"'{path}'" in m]
+        return
     assert [line for line in reading.resolved if line.startswith(f'{path}: "auto" -> ')]
 
 
