@@ -302,7 +302,8 @@ def _gradient_scaling(get: Any, notes: list[str]) -> None:
     if prescale or factor != 1:
         what = "prescale_gradients true" if prescale else f"gradient_predivide_factor {factor}"
         notes.append(f"{what}: DeepSpeed divides the gradients before summing them over ranks, fxzero divides the "
-                     "sum by the world size: the same average (in fp32 with a power-of-two world, bit for bit)")
+                     "sum by the world size: the same average (in fp32, dividing by a power-of-two world before or "
+                     "after the sum rounds alike)")
 
 
 def _given_stage(ds: dict[str, Any]) -> bool:
