@@ -528,15 +528,19 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
+                        load_module_only: bool = False, trust_client_state: bool = False
+                        ) -> tuple[Optional[str], Optional[dict]]:
         """Load what `save_checkpoint` saved, on any world size and stage: `(path, client_state)`,
         or `(None, None)` with a warning when `load_dir` has no `latest` and no tag is given.
-        A collective: every rank calls it."""
+        A collective: every rank calls it. Nothing in the files runs as code: a `client_state`
+        holding objects other than plain data needs `trust_client_state=True` (see
+        docs/checkpoints.md)."""
         try:
             return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                               load_optimizer_states=load_optimizer_states,
                                               load_lr_scheduler_states=load_lr_scheduler_states,
-                                              load_module_only=load_module_only)
+                                              load_module_only=load_module_only,
+                                              trust_client_state=trust_client_state)
         finally:
             self._user.bind(force=True)
 
