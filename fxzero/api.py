@@ -95,7 +95,7 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
-    groups, group_of = param_groups(model, model_parameters, config.optimizer)  # (checked before any rank allocates)
+    groups, group_of, ungrouped = param_groups(model, model_parameters, config.optimizer)  # (before any allocation)
     _ensure_process_group()
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
@@ -117,7 +117,7 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
     if state_dict is None and not seeded and comm.world_size > 1:
         broadcast_initial_values(model)  # every rank starts from rank 0's values
     cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
-    layouts = plan_layouts(model, config, comm.world_size, cost_model)
+    layouts = plan_layouts(model, config, comm.world_size, cost_model, frozen=ungrouped)
     whole = persistent_units(config, layouts)  # units held whole, not sharded
     warn_ineffective(persistence_differences(config, layouts))
     _report_batch(config, batch, comm.world_size)

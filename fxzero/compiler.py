@@ -25,12 +25,14 @@ from fxzero.units import bucket_units, persistent_units, plan_units
 __all__ = ["compile_program", "plan_layouts"]
 
 
-def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None) -> list[UnitLayout]:
+def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None,
+                 frozen: frozenset[str] = frozenset()) -> list[UnitLayout]:
     """Units (by the config's policy), then buckets of small units where the config asks.
 
     With mixed precision a unit's layout dtype is its masters', fp32, whatever the model's.
+    `frozen`: parameters planned frozen although they require grad (in no param group).
     """
-    layouts = plan_units(model, config.units, world_size)
+    layouts = plan_units(model, config.units, world_size, frozen=frozen)
     if config.mixed_precision is not None:
         layouts = [dataclasses.replace(lay, dtype=torch.float32) if lay.dtype.is_floating_point else lay
                    for lay in layouts]
@@ -74,7 +76,8 @@ def compile_program(
         layouts = [dataclasses.replace(layout, trainable=False) for layout in layouts]
     mp = config.mixed_precision
     traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
-                         forward_only=forward_only)
+                         forward_only=forward_only,
+                         trainable={s.fqn for lay in layouts if lay.trainable for s in lay.slots})
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(

@@ -24,15 +24,34 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxzero.api import compile as compile_engine
-from fxzero.config import Adagrad, Adam, AdamW, Config, OptimizerPolicy
+from fxzero.config import OPTIMIZERS, Adagrad, Adam, AdamW, Config, OptimizerPolicy
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
-_TORCH_OPTIMIZER_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                             "differentiable": False, "fused": None, "decoupled_weight_decay": None}
-"""Options of torch.optim.Adam/AdamW/Adagrad that fxzero's update honours only at these values."""
+_TORCH_OPTIMIZER_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+                             "fused": None}
+"""Options of torch.optim's optimizers that fxzero's update honours only at these values: how torch
+computes (foreach, fused, capturable, differentiable: fxzero runs its single-tensor arithmetic on
+shards) and maximize."""
+
+_POLICY_OF_TORCH: dict[type, type[OptimizerPolicy]] = {
+    getattr(torch.optim, cls.TORCH): cls for cls in OPTIMIZERS if cls.TORCH is not None}
+"""The torch.optim class each element-wise policy reproduces (torch.optim.Adam with
+decoupled_weight_decay=True: `AdamW`)."""
+
+_WHOLE_TENSOR_OPTIMIZERS = {
+    "LBFGS": "it keeps curvature pairs of the whole parameter vector and re-evaluates the loss in a line search",
+    "SparseAdam": "it takes sparse gradients (nn.Embedding(sparse=True)), and fxzero's gradients are dense shards",
+    "Adafactor": "it factors each matrix's second moment into row and column means",
+    "Muon": "it orthogonalizes each matrix's update (Newton-Schulz iterations on the whole 2-D gradient)",
+    "Lamb": "its trust ratio divides each parameter's norm by its update's norm",
+    "FusedLamb": "its trust ratio divides each parameter's norm by its update's norm",
+    "OnebitLamb": "its trust ratio divides each parameter's norm by its update's norm",
+    "LARS": "its trust ratio divides each parameter's norm by its gradient's norm",
+}
+"""Optimizers that need each parameter whole, and why (by class name, torch's or other libraries')."""
 
 
 def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
@@ -89,36 +108,58 @@ def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bo
 
 
 def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPolicy, list[dict]]:
-    """A torch AdamW/Adam/Adagrad as fxzero's policy and the param groups it was built with."""
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.Adagrad):
-        raise TypeError(
-            f"optimizer is a {type(optimizer).__name__}: fxzero's sharded update runs AdamW, Adam and Adagrad; "
-            "pass torch.optim.AdamW/Adam/Adagrad (its param groups and hyperparameters are read), or name the "
-            "optimizer in the config")
+    """A client's element-wise torch optimizer as fxzero's policy (its constructor's options, read
+    from `defaults`) and the param groups it was built with.
+
+    Raises:
+        TypeError: an optimizer fxzero cannot run on shards (one that needs each parameter whole,
+            a subclass or another library's, whose step() may compute anything).
+        ValueError: an option fxzero's update does not honour, or groups that disagree where torch
+            reads the constructor's value.
+    """
+    name = type(optimizer).__name__
+    cls = _POLICY_OF_TORCH.get(type(optimizer))
+    runs = ", ".join(f"torch.optim.{c.TORCH}" for c in OPTIMIZERS if c.TORCH is not None)
+    if cls is None and name in _WHOLE_TENSOR_OPTIMIZERS:
+        raise TypeError(f"optimizer is a {name}: it needs each parameter whole ({_WHOLE_TENSOR_OPTIMIZERS[name]}), and "
+                        "each rank holds a flat shard of its units, pieces of several parameters and most of none; use "
+                        f"an element-wise optimizer ({runs}, or fxzero.Lion in the config)")
+    if cls is None:
+        raise TypeError(f"optimizer is a {name}: fxzero runs the element-wise torch.optim optimizers on its shards "
+                        f"({runs}; a subclass or another library's optimizer may compute anything in its step()); pass "
+                        "one of them (its param groups and hyperparameters are read), or name the optimizer in the "
+                        "config (\"Lion\" too)")
     d = optimizer.defaults
     for option, default in _TORCH_OPTIMIZER_DEFAULTS.items():
         for group in [d, *optimizer.param_groups]:
             value = group.get(option, default)
-            if value not in (default, False) and not (option == "decoupled_weight_decay"
-                                                      and isinstance(optimizer, torch.optim.AdamW)):
+            if value not in (default, False):
                 raise ValueError(f"optimizer: {option}={value!r} is not supported by fxzero's update; "
                                  f"leave it at {default!r}")
-    if isinstance(optimizer, torch.optim.Adagrad):
-        # torch fills every group's sum from the constructor's value, never a group's own: so does fxzero.
-        initial = float(d["initial_accumulator_value"])
-        if any(float(g.get("initial_accumulator_value", initial)) != initial for g in optimizer.param_groups):
-            raise ValueError("optimizer: a param group sets its own initial_accumulator_value, which "
-                             "torch.optim.Adagrad ignores (every sum starts from the constructor's value); give it "
-                             "to the constructor only")
-        policy: OptimizerPolicy = Adagrad(lr=float(d["lr"]), lr_decay=float(d["lr_decay"]),
-                                          weight_decay=float(d["weight_decay"]), initial_accumulator_value=initial,
-                                          eps=float(d["eps"]))
-    else:
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
-        policy = (AdamW if decoupled else Adam)(lr=float(d["lr"]), betas=tuple(d["betas"]), eps=float(d["eps"]),
-                                                weight_decay=float(d["weight_decay"]))
+    for i, group in enumerate(optimizer.param_groups):
+        tensors = sorted(k for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor))
+        if tensors:
+            raise ValueError(f"optimizer: param group {i} holds {tensors} as tensors; fxzero's update reads Python "
+                             "numbers: give floats")
+    if cls is Adam and d.get("decoupled_weight_decay"):
+        cls = AdamW
+    for option in ("decoupled_weight_decay", "initial_accumulator_value"):
+        # (torch.optim.Adam reads the first per group, yet fxzero's Adam/AdamW decide it for all;
+        # torch.optim.Adagrad fills every group's sum from the constructor's value, never a group's own.)
+        if cls in (Adam, AdamW, Adagrad) and any(g.get(option, d.get(option)) != d.get(option)
+                                                for g in optimizer.param_groups):
+            raise ValueError(f"optimizer: a param group sets its own {option}, unlike the optimizer's "
+                             f"{d.get(option)!r}; fxzero's {cls.__name__} takes it from the constructor only: give it "
+                             "to the constructor")
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            value = d[f.name]
+            fields[f.name] = tuple(float(x) for x in value) if isinstance(value, (list, tuple)) else (
+                bool(value) if isinstance(f.default, bool) else float(value))
+    policy = cls(**fields)
     groups = [{"params": list(g["params"]),
-               **{k: g[k] for k in policy.HYPERPARAMETERS if g[k] != d[k]}}
+               **{k: g[k] for k in policy.HYPERPARAMETERS if k in g and g[k] != d.get(k)}}
               for g in optimizer.param_groups]
     return policy, groups
 
@@ -133,12 +174,17 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
     Args:
         model: the module (built eagerly or on the meta device).
-        optimizer: None (the config's "optimizer"), a torch.optim.AdamW/Adam/Adagrad built on the model's
-            parameters, or a callable taking the parameters and returning one.
-        model_parameters: the parameters or param groups (dicts with "params" and options).
+        optimizer: None (the config's "optimizer"), an element-wise torch optimizer (torch.optim.AdamW,
+            Adam, SGD, RMSprop, ...: `_from_torch_optimizer`) built on the model's parameters, or a
+            callable taking the parameters and returning one. Its param group dicts become the
+            engine optimizer's ([Note: a client's optimizer and scheduler] in runtime/optimizer.py).
+        model_parameters: the parameters or param groups (dicts with "params" and options); a
+            trainable parameter in none is not trained ([Note: parameters in no group]).
         training_data: a torch Dataset: the returned dataloader yields this rank's micro-batches.
-        lr_scheduler: None (the config's "scheduler"), or a callable taking the optimizer and
-            returning a scheduler (a torch.optim.lr_scheduler one, say) the engine steps.
+        lr_scheduler: None (the config's "scheduler"), a scheduler built on `optimizer` (a
+            torch.optim.lr_scheduler one, say: pointed at the engine's optimizer), or a callable
+            taking the engine's optimizer and returning one; the engine steps it after each
+            optimizer step.
         config: the DeepSpeed config (path or dict) or a fxzero.Config; `config_params` and
             `args.deepspeed_config` are read where it is None, as DeepSpeed does.
     """
@@ -150,6 +196,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         record = getattr(model, "_fxzero_zero_init", None)  # the config zero.Init was given
         config = record.config if record is not None else None
     cfg, names_optimizer = _read_config(args, config, config_params)
+    client: Optional[torch.optim.Optimizer] = None  # the client's torch optimizer, once built
     if optimizer is not None:
         if names_optimizer:
             raise ValueError("an optimizer is passed and the config has an \"optimizer\" section: give one of them")
@@ -157,16 +204,24 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
         policy, model_parameters = _from_torch_optimizer(optimizer)
         cfg = dataclasses.replace(cfg, optimizer=policy)
+        client = optimizer
     if lr_scheduler is not None and cfg.lr_schedule is not None:
         raise ValueError("an lr_scheduler is passed and the config has a \"scheduler\" section: give one of them")
     init_distributed()
     engine = compile_engine(model, cfg, model_parameters=model_parameters)
+    if client is not None:  # one set of param group dicts ([Note: a client's optimizer and scheduler])
+        engine.optimizer.share_groups(client)
     scheduler = engine.lr_scheduler  # the config's schedule, built by compile
     if lr_scheduler is not None:
-        if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
-            raise TypeError("lr_scheduler must be a callable taking the engine's optimizer (its param groups are "
-                            "what fxzero updates), e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
-        scheduler = lr_scheduler(engine.optimizer)
+        if hasattr(lr_scheduler, "step"):  # a scheduler object: DeepSpeed uses it as given, stepping it
+            scheduler = engine.optimizer.adopt_scheduler(lr_scheduler, client)
+        elif callable(lr_scheduler):
+            scheduler = lr_scheduler(engine.optimizer)
+            engine.optimizer.check_groups()  # (what the scheduler set, such as a momentum, within the states kept)
+        else:
+            raise TypeError(f"lr_scheduler is a {type(lr_scheduler).__name__}: give a scheduler built on the "
+                            "optimizer you pass (StepLR(opt, 10)), or a callable taking the engine's optimizer "
+                            "(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10))")
     engine.lr_scheduler = scheduler
     loader = None
     if training_data is not None:

@@ -27,7 +27,7 @@ import contextlib
 import warnings
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -137,7 +137,8 @@ def _constant(x: Any) -> bool:
 
 
 def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Optional[Mapping[str, Any]] = None,
-                param_dtype: Optional[torch.dtype] = None, forward_only: bool = False) -> TracedJoint:
+                param_dtype: Optional[torch.dtype] = None, forward_only: bool = False,
+                trainable: Optional[Collection[str]] = None) -> TracedJoint:
     """Trace the joint forward+backward graph of `model` called as `model(*example_inputs, **kwargs)`.
 
     The call's tensor leaves are the graph's inputs; its other leaves (bools, ints, strings,
@@ -155,6 +156,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             inputs cast to it in the graph (mixed precision); None: the model's own dtypes.
         forward_only: trace the forward alone, as under `torch.no_grad()`: no parameter is
             trainable, no output needs a gradient, so the graph has no backward.
+        trainable: the parameters the units train (None: those that require grad); one of them
+            that no longer requires grad gets no gradient (`gradless_fqns`), as torch leaves it.
 
     Raises:
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
@@ -180,13 +183,15 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     params = dict(model.named_parameters(remove_duplicate=True))
     buffers = dict(model.named_buffers(remove_duplicate=True))
     param_fqns = tuple(params)
-    trainable = tuple(f for f, p in params.items() if p.requires_grad and not forward_only)
+    planned = {f for f, p in params.items() if p.requires_grad} if trainable is None else set(trainable)
+    trainable = tuple(f for f in params if f in planned and not forward_only)
+    wanted = {f for f in trainable if params[f].requires_grad}  # (frozen since the units were planned: no grad)
     buffer_fqns = tuple(buffers)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def fresh_args() -> tuple[list, list, list]:
-        fp = [_fake_like(mode, p, p.requires_grad and not forward_only, param_dtype if p.is_floating_point() else None)
-              for p in params.values()]
+        fp = [_fake_like(mode, p, f in wanted, param_dtype if p.is_floating_point() else None)
+              for f, p in params.items()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
         fx_ = [_fake_like(mode, x) for x in example_tensors]
         return fp, fb, fx_
@@ -236,8 +241,9 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         with torch.enable_grad():
             outs = [o for o in output_leaves(forward(p, b, x))[0] if isinstance(o, torch.Tensor)]
             diff_outs = [o for o, d in zip(outs, differentiable) if d]
-            wrt = [t for t, f in zip(p, param_fqns) if f in trainable]
+            wrt = [t for t, f in zip(p, param_fqns) if f in wanted]
             grads = list(torch.autograd.grad(diff_outs, wrt, g, allow_unused=True)) if wrt and diff_outs else [None] * len(wrt)
+            grads = [grads.pop(0) if f in wanted else None for f in trainable]
         return [*outs, *grads]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]

@@ -64,7 +64,8 @@ def _owner(fqn: str, roots: list[str]) -> str:
     return ROOT
 
 
-def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[UnitLayout]:
+def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int,
+               frozen: frozenset[str] = frozenset()) -> list[UnitLayout]:
     """Group the model's unique parameters into units and lay each out as a flat buffer.
 
     The root unit (parameters outside every unit) comes first, then units in module order.
@@ -72,8 +73,11 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[U
     their own unit, "root:tail", last: the forward uses them only at
     its end and the backward at its start, so neither phase waits at its edge for a gather or a
     reduction of the whole root (embedding and head) with no compute to hide it behind. A tied
-    head stays with its embedding, where it was first registered. Within a unit, frozen parameters (requires_grad=False) are split into their own unit named
-    `<unit>:frozen`, so a unit is either wholly trained or wholly frozen.
+    head stays with its embedding, where it was first registered. Within a unit, frozen
+    parameters (requires_grad=False) are split into their own unit named `<unit>:frozen`, so a
+    unit is either wholly trained or wholly frozen. `frozen` names parameters planned frozen
+    although they require grad (those in no param group: [Note: parameters in no group] in
+    `fxzero/runtime/optimizer.py`).
 
     Raises:
         ValueError: if a unit mixes dtypes, or a unit policy matched nothing.
@@ -102,7 +106,7 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int) -> list[U
     layouts = []
     for name, params in groups.items():
         for trainable in (True, False):
-            chosen = [(f, p) for f, p in params if p.requires_grad == trainable]
+            chosen = [(f, p) for f, p in params if (p.requires_grad and f not in frozen) == trainable]
             if not chosen:
                 continue
             dtypes = {p.dtype for _, p in chosen}

@@ -1,7 +1,8 @@
 """User-facing configuration: `Config` and the policies it holds (frozen, keyword-only dataclasses).
 
-- `policies`: `UnitsPolicy`, the optimizers (`AdamW`, `Adam`, `Adagrad`: `OptimizerPolicy`), `Prefetch`,
-  `Bucket`, `LinkEmulation`;
+- `policies`: `UnitsPolicy`, `Prefetch`, `Bucket`, `LinkEmulation`, and the optimizers of
+  `optimizers` (`OptimizerPolicy`: `AdamW`, `Adam`, `Adamax`, `NAdam`, `RAdam`, `Adagrad`, `SGD`,
+  `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`);
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
 - `precision`: `MixedPrecision` and float16's `LossScale`;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
@@ -9,7 +10,8 @@
 
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload, Placement, state_kinds
-from fxzero.config.policies import (OPTIMIZERS, Adagrad, Adam, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch,
+from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Bucket,
+                                    LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
                                     UnitsPolicy)
 from fxzero.config.precision import LossScale, MixedPrecision
 
@@ -17,21 +19,30 @@ __all__ = [
     "OPTIMIZERS",
     "OPTIMIZER_STATES",
     "TRANSPORTS",
+    "ASGD",
+    "Adadelta",
     "Adagrad",
     "Adam",
     "AdamW",
+    "Adamax",
     "Bucket",
     "Config",
     "Cpu",
     "Device",
     "LinkEmulation",
+    "Lion",
     "LossScale",
     "MixedPrecision",
+    "NAdam",
     "Nvme",
     "Offload",
     "OptimizerPolicy",
     "Placement",
     "Prefetch",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
     "UnitsPolicy",
     "state_kinds",
 ]

@@ -1,30 +1,40 @@
 """Policies: how parameters form units, the optimizer, prefetch, buckets and link emulation.
 
 Each is a frozen, keyword-only dataclass validated in `__post_init__`; `fxzero.Config` holds one
-of each.
+of each. The optimizer policies live in `fxzero/config/optimizers.py` and are re-exported here.
 
 [Note: optimizer states]
-An optimizer policy (`OptimizerPolicy`: `AdamW`, `Adam`, `Adagrad`) declares the states it keeps
-per parameter element, in `STATES`: AdamW's two moments ("exp_avg", "exp_avg_sq"), Adagrad's
-running sum of squared gradients ("sum"). Each is one fp32 tensor the size of this rank's shard
-per unit, and everything that handles optimizer states follows that declaration and nothing
-else: the step program and step_in_backward fetch, update (one `fxzero::optim_step`, whose
-`states` argument is the list of them, in declared order) and write back each state; they all
-live where `Offload(optimizer=...)` says; the offload store sizes them, the memory report counts
-them, `fxzero.estimate` prices them at 4 bytes each per element; and a state never written reads
-as the policy's `initial_value` (0 for AdamW's moments, `initial_accumulator_value` for Adagrad).
-The arithmetic of each policy is in `fxzero/runtime/optim.py`.
+An optimizer policy (`OptimizerPolicy`: `AdamW`, `Adam`, `Adagrad`, `SGD`, `Lion`, ... every one
+of `OPTIMIZERS`) declares the states it keeps per parameter element, in `STATES`: AdamW's two
+moments ("exp_avg", "exp_avg_sq"), Adagrad's running sum of squared gradients ("sum"), SGD's
+momentum buffer; `policy.states` is the ones an instance keeps (SGD without momentum keeps none).
+Each is one fp32 tensor the size of this rank's shard per unit, and everything that handles
+optimizer states follows that declaration and nothing else: the step program and
+step_in_backward fetch, update (one `fxzero::optim_step`, whose `states` argument is the list of
+them, in declared order) and write back each state; they all live where
+`Offload(optimizer=...)` says; the offload store sizes them, the memory report counts them,
+`fxzero.estimate` prices them at 4 bytes each per element; checkpoints save each by name; and a
+state never written reads as the policy's `initial_value` (0 for AdamW's moments,
+`initial_accumulator_value` for Adagrad, 1 for NAdam's mu_product). Numbers torch keeps once per
+parameter (NAdam's mu_product, ASGD's eta and mu: `SCALAR_STATES`) are states like the others,
+the same value in each of a parameter's elements, so the same machinery shards, offloads and
+re-slices them. The arithmetic of each policy is in `fxzero/runtime/optim.py` (AdamW, Adam,
+Adagrad, Lion) and `fxzero/runtime/torch_updates.py` (torch's own single-tensor update, on the
+shard's ranges, for the others).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
 
-__all__ = ["OPTIMIZERS", "Adagrad", "Adam", "AdamW", "Bucket", "LinkEmulation", "OptimizerPolicy", "Prefetch",
-           "UnitsPolicy"]
+from fxzero.config.optimizers import (ASGD, OPTIMIZERS, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, NAdam,
+                                      OptimizerPolicy, RAdam, RMSprop, Rprop, SGD)
+
+__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Bucket", "LinkEmulation", "Lion",
+           "NAdam", "OptimizerPolicy", "Prefetch", "RAdam", "RMSprop", "Rprop", "SGD", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,106 +69,6 @@ class UnitsPolicy:
     @property
     def is_default(self) -> bool:
         return not (self.module_classes or self.fqn_prefixes or self.predicate)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimizerPolicy:
-    """What every optimizer policy declares ([Note: optimizer states] above); `Config.optimizer`
-    is one of its subclasses, `OPTIMIZERS`."""
-
-    STATES: ClassVar[tuple[str, ...]] = ()
-    """The states kept per parameter element (each one fp32 shard per unit), in the order the
-    update takes them."""
-    HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("lr",)
-    """The options every param group carries (its own, or this policy's), read at each update."""
-
-    @property
-    def states(self) -> tuple[str, ...]:
-        return type(self).STATES
-
-    def initial_value(self, state: str) -> float:
-        """What `state` holds before the first update: a state never written reads as this."""
-        if state not in self.STATES:
-            raise ValueError(f"{type(self).__name__} has no state {state!r}; its states are {list(self.STATES)}")
-        return 0.0
-
-    def defaults(self) -> dict[str, Any]:
-        """The hyperparameters of a param group that sets none of its own: this policy's."""
-        out = {k: getattr(self, k) for k in self.HYPERPARAMETERS}
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}  # betas=[..] as torch keeps it
-
-    def _check_nonnegative(self, *names: str) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if not value >= 0.0:
-                raise ValueError(f"{type(self).__name__}.{name} must be >= 0, got {value}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdamW(OptimizerPolicy):
-    """AdamW with the semantics of `torch.optim.AdamW` (decoupled weight decay)."""
-
-    STATES: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
-    HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
-
-    lr: float = 1e-3
-    """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Coefficients of the running averages of the gradient and its square."""
-    eps: float = 1e-8
-    """Added to the denominator for numerical stability."""
-    weight_decay: float = 1e-2
-    """Decoupled weight decay, applied as p *= 1 - lr * weight_decay."""
-
-    def __post_init__(self) -> None:
-        self._check_nonnegative("lr")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"{type(self).__name__}.betas must be two values in [0, 1), got {self.betas}")
-        self._check_nonnegative("eps", "weight_decay")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Adam(AdamW):
-    """Adam with the semantics of `torch.optim.Adam`: weight decay is L2, added to the gradient
-    (DeepSpeed's "Adam" with "adam_w_mode": false); otherwise as `AdamW`."""
-
-    weight_decay: float = 0.0
-    """L2 penalty, added to the gradient as grad + weight_decay * param."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Adagrad(OptimizerPolicy):
-    """Adagrad with the semantics of `torch.optim.Adagrad` (its single-tensor path): per step
-    `clr = lr / (1 + (step - 1) * lr_decay)`, `sum += grad * grad`,
-    `param -= clr * grad / (sqrt(sum) + eps)`, with `grad + weight_decay * param` for grad when
-    weight_decay is set. One state per element, so 12 bytes per parameter of model states in
-    fp32 where AdamW takes 16 (ZeRO-Infinity's other NVMe-aware optimizer)."""
-
-    STATES: ClassVar[tuple[str, ...]] = ("sum",)
-    HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("lr", "lr_decay", "eps", "weight_decay")
-
-    lr: float = 1e-2
-    """Learning rate (before the decay)."""
-    lr_decay: float = 0.0
-    """The step-th update runs with lr / (1 + (step - 1) * lr_decay)."""
-    weight_decay: float = 0.0
-    """L2 penalty, added to the gradient as grad + weight_decay * param."""
-    initial_accumulator_value: float = 0.0
-    """What the sum of squared gradients starts from (every element; torch reads it from the
-    optimizer's defaults, never from a param group, and so does fxzero)."""
-    eps: float = 1e-10
-    """Added to the denominator for numerical stability."""
-
-    def __post_init__(self) -> None:
-        self._check_nonnegative("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
-
-    def initial_value(self, state: str) -> float:
-        super().initial_value(state)  # (a state it has)
-        return float(self.initial_accumulator_value)
-
-
-OPTIMIZERS: tuple[type[OptimizerPolicy], ...] = (AdamW, Adam, Adagrad)
-"""The optimizer policies fxzero runs (the runtime has the arithmetic of each)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
+from fxzero.runtime.requires_grad import RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import optim_step
 from fxzero.runtime.state import RankState
@@ -113,6 +114,7 @@ class Engine:
         self._user = UserModule(model, state, comm, compute_dtype=mp.param_dtype if mp is not None else None,
                                 timeout=config.collective_timeout)
         """Keeps the user's module a view of what this engine trains ([Note: the user's module])."""
+        self._requires_grad = RequiresGradWatch(model, state.layouts)  # ([Note: requires_grad after compile])
         self._user.engine = self
 
     # -- programs --------------------------------------------------------------------------
@@ -222,6 +224,8 @@ class Engine:
             raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
                                "build a new engine (fxzero.compile) and load a good checkpoint")
         leaves, spec = flatten_call(args, kwargs)
+        if self._requires_grad.changed(self.rank, self.control.global_steps, bool(self.state.grads or self._unreduced)):
+            self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
         runners = self._runners_for(args, kwargs, leaves, spec)
         self._agree(runners)
         self._last = runners

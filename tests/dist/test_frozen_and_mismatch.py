@@ -1,7 +1,10 @@
 """Frozen parameters and mismatched ranks, on 2 gloo ranks.
 
 Frozen parameters (requires_grad=False) are gathered like any other but never reduced and take
-no optimizer state; a unit that mixes both is split into `<unit>` and `<unit>:frozen`.
+no optimizer state; a unit that mixes both is split into `<unit>` and `<unit>:frozen`. Trainable
+parameters in no param group of `model_parameters` are treated as DeepSpeed's ZeRO optimizers
+treat them (they hold only their optimizer's groups): used, never updated, nothing reduced; the
+reference is torch.optim given the other parameters alone.
 Ranks that compiled different programs fail at start-up with a clear error instead of hanging
 in a collective whose partner never comes.
 
@@ -105,6 +108,49 @@ def test_frozen_units_are_split_gathered_never_reduced(frozen_run):
         gathers = trainable  # stage 2 re-gathers the updated parameters only
     assert comm["all_gather"]["elements"] == gathers
     assert ranks[0]["optim_bytes"] == 8 * trainable // 2
+
+
+def _train_ungrouped(rank: int, world_size: int, batches, initial):
+    with torch.device("meta"):
+        model = zoo.build("gpt-tiny")
+    named = dict(model.named_parameters())
+    decay = [p for f, p in named.items() if f not in FROZEN and p.ndim >= 2]
+    rest = [p for f, p in named.items() if f not in FROZEN and p.ndim < 2]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    config = fxzero.Config(stage=3, optimizer=fxzero.AdamW(**ADAMW), cost_model=None)
+    engine = fxzero.compile(model, config, state_dict=initial, model_parameters=groups)
+    comm = {}
+
+    def last_step_comm(i: int) -> None:
+        comm.clear()
+        comm.update(engine.comm_report(reset=True))
+
+    losses = train(engine, batches, lm_loss, rank, world_size, mean_over_ranks=True, after_step=last_step_comm)
+    return {"losses": losses, "state": engine.full_state_dict(), "comm": comm,
+            "units": {u.name: (u.padded_numel, u.trainable) for u in engine.layouts},
+            "requires_grad": {f: p.requires_grad for f, p in model.named_parameters()}}
+
+
+def test_parameters_in_no_group_are_used_never_updated_nothing_reduced():
+    ranks = run_ranks(_train_ungrouped, 2, _batches(), _initial(), timeout_s=300)
+
+    def grouped_only(model):
+        named = dict(model.named_parameters())
+        return torch.optim.AdamW([{"params": [p for f, p in named.items() if f not in FROZEN and p.ndim >= 2]},
+                                  {"params": [p for f, p in named.items() if f not in FROZEN and p.ndim < 2],
+                                   "weight_decay": 0.0}], **ADAMW)
+
+    ref = eager_gpt_reference(lambda: zoo.build("gpt-tiny"), _initial(), _batches(), make_optimizer=grouped_only)
+    got = ranks[0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for key, want in ref["state_dict"].items():
+        torch.testing.assert_close(got["state"][key], want, rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    for name in FROZEN:
+        assert torch.equal(got["state"][name], _initial()[name]), f"{name} (in no group) changed"
+        assert got["requires_grad"][name]  # (as the user left it)
+    units = got["units"]
+    assert units["root:frozen"][1] is False and units["blocks.0:frozen"][1] is False
+    assert got["comm"]["reduce_scatter"]["elements"] == sum(n for n, t in units.values() if t)
 
 
 def _mismatched(rank: int, world_size: int):
