@@ -203,12 +203,12 @@ def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
                weight_decay=float(given("weight_decay")))
 
 
-def _reduce_dtype(get: Any, compute: "torch.dtype", offloaded: bool, notes: list[str]) -> "torch.dtype | None":
+def _reduce_dtype(get: Any, compute: "torch.dtype", notes: list[str]) -> "torch.dtype | None":
     """The dtype gradients are reduced in under mixed precision: `communication_data_type`'s, or
     the compute dtype where it is missing (DeepSpeed's default), except with prescaled or
-    predivided float16 gradients, which fxzero averages after an fp32 sum (module doc), and with
-    the optimizer states offloaded: fxzero's offloaded gradient shards are fp32 (a low-precision
-    reduction there fails at the first step: the fetch reads fp32), so those reduce in fp32."""
+    predivided float16 gradients, which fxzero averages after an fp32 sum (module doc). Gradient
+    shards offloaded with the optimizer states are kept in fp32 whatever the reduction's dtype,
+    as DeepSpeed's offloaded gradient partitions are (`passes/offload_grads.py`)."""
     comm = get("communication_data_type")
     if comm is not None:
         if str(comm).lower() not in _COMM_DTYPES:
@@ -230,19 +230,10 @@ def _reduce_dtype(get: Any, compute: "torch.dtype", offloaded: bool, notes: list
                          "gradients in fp32 and averages after the sum, so the sum cannot overflow where "
                          "DeepSpeed's divided float16 sum would not (the same average, without its float16 rounding)")
             return torch.float32
-    if offloaded and comm is not torch.float32:
-        if comm is not None:
-            raise ValueError(f'DeepSpeed config: "communication_data_type" {get("communication_data_type")!r} with '
-                             "the optimizer states offloaded: fxzero keeps offloaded gradient shards in fp32 and "
-                             'reduces them in fp32; give "fp32", or drop the key')
-        notes.append(f"communication_data_type is DeepSpeed's default ({str(compute)[6:]}, the compute dtype), but "
-                     "with the optimizer states offloaded fxzero reduces the gradients in fp32, the dtype of its "
-                     f"offloaded gradient shards (the same average, without its {str(compute)[6:]} rounding)")
-        return torch.float32
     return None if comm in (None, compute) else comm
 
 
-def _mixed_precision(get: Any, offloaded: bool, notes: list[str]) -> "MixedPrecision | None":
+def _mixed_precision(get: Any, notes: list[str]) -> "MixedPrecision | None":
     """"bf16" / "fp16" sections -> MixedPrecision; both enabled is an error."""
     on_bf16, on_fp16 = bool(get("bf16.enabled")), bool(get("fp16.enabled"))
     if on_bf16 and on_fp16:
@@ -257,7 +248,7 @@ def _mixed_precision(get: Any, offloaded: bool, notes: list[str]) -> "MixedPreci
         return None
     if on_bf16:
         return MixedPrecision(param_dtype=torch.bfloat16,
-                              reduce_dtype=_reduce_dtype(get, torch.bfloat16, offloaded, notes))
+                              reduce_dtype=_reduce_dtype(get, torch.bfloat16, notes))
     static = float(get("fp16.loss_scale"))
     scale = LossScale(
         initial_scale_power=int(get("fp16.initial_scale_power")),
@@ -266,7 +257,7 @@ def _mixed_precision(get: Any, offloaded: bool, notes: list[str]) -> "MixedPreci
         min_scale=float(get("fp16.min_loss_scale")),
         static=static if static > 0 else None,
     )
-    return MixedPrecision(param_dtype=torch.float16, reduce_dtype=_reduce_dtype(get, torch.float16, offloaded, notes),
+    return MixedPrecision(param_dtype=torch.float16, reduce_dtype=_reduce_dtype(get, torch.float16, notes),
                           loss_scale=scale)
 
 
@@ -351,7 +342,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         raise ValueError(f"DeepSpeed config: gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}")
     fields = dict(
         stage=stage, persist_threshold=threshold, offload=offload, prefetch=prefetch,
-        mixed_precision=_mixed_precision(get, offload.offloaded("optimizer"), notes),
+        mixed_precision=_mixed_precision(get, notes),
         train_batch_size=_int_or_none(get, "train_batch_size"),
         train_micro_batch_size_per_gpu=_int_or_none(get, "train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),

@@ -60,6 +60,7 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     passes += [
         canonicalize.PASS,
         split.PASS,
-        step_program.make(states=states, tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low),
+        step_program.make(states=states, tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low,
+                          grad_dtype=mp.grad_dtype if mp is not None else None),
     ]
     return passes

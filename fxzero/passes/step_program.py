@@ -121,7 +121,8 @@ def _fake(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str, ...], tiers: dict[str, str],
-                      lookahead: int, persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None) -> PassResult:
+                      lookahead: int, persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None,
+                      grad_dtype: Optional[torch.dtype] = None) -> PassResult:
     """Build `ctx.programs["step"]`; move the backward's trailing gradient waits into it.
 
     Args:
@@ -132,6 +133,8 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
         low_dtype: mixed precision's compute dtype: the unit's parameters are an fp32 master
             shard (what the optimizer updates) and a copy in this dtype (what the forward gathers),
             cast from the master after the update ([Note: master and low] above).
+        grad_dtype: the dtype gradients are reduced in and held (mixed precision's reduce dtype,
+            or its compute dtype when gradients are reduced in it); None: each unit's own.
     """
     backward = ctx.programs["backward"]
     in_backward = frozenset(ctx.outputs.get("updated_in_backward", ()))
@@ -142,6 +145,10 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
     grad_names = {unit: r.name for (_, unit), r in zip(backward.outputs, output_node(backward.gm.graph).args[0])}
 
     b = _Builder(ctx.world_size)
+
+    def grad_of(layout: UnitLayout) -> torch.dtype:
+        """What the backward left the unit's gradient in (the update casts it to the master's)."""
+        return grad_dtype if grad_dtype is not None and layout.dtype.is_floating_point else layout.dtype
 
     def fetched(layout: UnitLayout) -> list[str]:
         # With mixed precision and offloaded parameters the low-precision shard is read too, as the
@@ -167,8 +174,8 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
                 _fake(numel, low_dtype), sharded=not whole)
         if "grad" not in on_tier:
             resident["grad", lay.name] = b.placeholder(
-                grad_names[lay.name], "grad", ("grad", lay.name), lay.name, _fake(lay.shard_numel, lay.dtype),
-                carried=lay.name in arrival)
+                grad_names[lay.name], "grad", ("grad", lay.name), lay.name,
+                _fake(lay.shard_numel, grad_of(lay)), carried=lay.name in arrival)
         for state in states:
             if state not in on_tier:
                 resident[state, lay.name] = b.placeholder(
@@ -181,7 +188,7 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
         lay = units[i]
         u = lay.name
         if event == "issue":
-            dtype = {k: low_dtype if k == "low" else lay.dtype for k in fetched(lay)}
+            dtype = {k: low_dtype if k == "low" else lay.dtype for k in fetched(lay)}  # (gradients on a tier: fp32)
             reads[u] = {k: b.call("fetch", (u, k, lay.shard_numel, dtype[k]), "fetch", u,
                                   _fake(lay.shard_numel, dtype[k]), state=k, tier=tiers[k])
                         for k in fetched(lay)}
@@ -216,11 +223,11 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
 
 
 def make(*, states: tuple[str, ...], tiers: dict[str, str], lookahead: int, persistent: frozenset[str],
-         low_dtype: Optional[torch.dtype] = None) -> Pass:
+         low_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_program",
         functools.partial(step_program_pass, states=states, tiers=tiers, lookahead=lookahead, persistent=persistent,
-                          low_dtype=low_dtype),
+                          low_dtype=low_dtype, grad_dtype=grad_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

@@ -61,6 +61,10 @@ PLACEMENTS = {
 BF16_PLACEMENTS = ("device", "cpu", "nvme", "nvme-step-in-backward", "cpu-step-in-backward-persistent-root",
                    "device-untied", "nvme-step-in-backward-untied", "stage2-device", "stage2-optimizer-nvme")
 PLACEMENTS.update({"bf16-" + name: PLACEMENTS[name] for name in BF16_PLACEMENTS})
+# bf16 with gradients reduced in bf16 (MixedPrecision(reduce_dtype=None), DeepSpeed's default): a
+# gradient shard on a tier is written as fp32, the dtype of the master it updates.
+BF16_REDUCED_PLACEMENTS = ("device", "cpu", "nvme", "stage2-device", "stage2-optimizer-nvme")
+PLACEMENTS.update({"bf16lo-" + name: PLACEMENTS[name] for name in BF16_REDUCED_PLACEMENTS})
 
 
 @functools.cache
@@ -75,7 +79,7 @@ def _workload():
 
 def _base(name: str) -> str:
     """The device-resident run an offloaded run must match (in the same precision)."""
-    prefix = "bf16-" if name.startswith("bf16-") else ""
+    prefix = next((p for p in ("bf16-", "bf16lo-") if name.startswith(p)), "")
     if PLACEMENTS[name][0] != 3:
         return prefix + "stage2-device"
     return prefix + ("device-untied" if name.endswith("-untied") else "device")
@@ -87,7 +91,8 @@ def _train(rank: int, world: int, name: str, nvme_dir: str, states, batches) -> 
     # gpt-tiny's root unit (3,648 parameters) stays whole under this threshold: its parameters
     # remain resident while its optimizer states are offloaded.
     threshold = 5000 if "persistent-root" in name else 0
-    mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16) if name.startswith("bf16-") else None
+    mp = (fxzero.MixedPrecision(param_dtype=torch.bfloat16) if name.startswith("bf16-") else
+          fxzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None) if name.startswith("bf16lo-") else None)
     cfg = fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), offload=offload(nvme_dir), cost_model=None,
                         persist_threshold=threshold, mixed_precision=mp)
     with torch.device("meta"):
