@@ -24,7 +24,7 @@ from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
 from fxzero.config.precision import MixedPrecision
-from fxzero.config.policies import AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
+from fxzero.config.policies import OPTIMIZERS, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
 
 __all__ = ["TRANSPORTS", "Config"]
 
@@ -42,9 +42,9 @@ class Config:
     units: UnitsPolicy = UnitsPolicy()
     """How parameters are grouped into units (the sharding granularity)."""
     optimizer: OptimizerPolicy = AdamW()
-    """The optimizer run on each rank's shard: a `fxzero.AdamW`, `fxzero.Adam` or `fxzero.Adagrad`
-    (the subclasses of `fxzero.config.OptimizerPolicy`, whose declared states the step program
-    keeps per element: two for AdamW and Adam, one for Adagrad)."""
+    """The optimizer run on each rank's shard: one of `fxzero.config.OPTIMIZERS` (AdamW, Adam,
+    Adagrad, SGD, Lion and torch.optim's other element-wise ones), whose declared states the step
+    program keeps per element (two for AdamW and Adam, one for Adagrad, ...)."""
     seed: int = 0
     """Seed for initializing a model built on the meta device by its own init code (each layer's
     `reset_parameters()`, then the model's `_init_weights`): the values eager construction after
@@ -128,7 +128,8 @@ class Config:
         if not isinstance(self.units, UnitsPolicy):
             raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
         if not isinstance(self.optimizer, OptimizerPolicy):
-            raise TypeError(f"Config.optimizer must be a fxzero.AdamW, fxzero.Adam or fxzero.Adagrad, got "
+            raise TypeError(f"Config.optimizer must be an fxzero optimizer policy ("
+                            f"{', '.join('fxzero.' + p.__name__ for p in OPTIMIZERS)}), got "
                             f"{type(self.optimizer).__name__}")
         if self.prefetch is not None and not isinstance(self.prefetch, Prefetch):
             raise TypeError(f"Config.prefetch must be a fxzero.Prefetch or None, got {type(self.prefetch).__name__}")

@@ -29,9 +29,9 @@ import torch
 
 from fxzero.config.deepspeed_defaults import DEFAULTS, FIELD_NAMES, OPTIMIZER_DEFAULTS, deepspeed_optimizer, value
 from fxzero.config.deepspeed_keys import (
-    AUTO_IMPLIED, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
+    AUTO_IMPLIED, ELEMENTWISE_TORCH, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import Adagrad, Adam, AdamW, OptimizerPolicy, Prefetch
+from fxzero.config.policies import Adagrad, Adam, AdamW, Lion, OptimizerPolicy, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
 from fxzero.config.schedules import schedule_from_deepspeed
 
@@ -167,11 +167,13 @@ def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
     DeepSpeed builds for it (`deepspeed_optimizer`: FusedAdam's weight decay is 0, torch.optim.AdamW's
     0.01 with "torch_adam")."""
     kind = str(section.get("type", "AdamW"))
-    name = "adam" if kind.lower() in ("adam", "adamw") else kind.lower()
+    name = "adam" if kind.lower() in ("adam", "adamw") else kind if kind in TORCH_TYPES else kind.lower()
     table = OPTIMIZER_PARAMS.get(name)
     if table is None:
-        raise ValueError(f"DeepSpeed config: optimizer type {kind!r} is not supported; fxzero runs \"AdamW\" and "
-                         "\"Adam\" (with \"adam_w_mode\": false for L2 weight decay), and \"Adagrad\"")
+        why = _REFUSED_TYPES.get(kind.lower(), "it is not one DeepSpeed or torch.optim has")
+        raise ValueError(f"DeepSpeed config: optimizer type {kind!r} is not supported ({why}); fxzero runs "
+                         "\"Adam\"/\"AdamW\" (\"adam_w_mode\": false for L2 weight decay), \"Adagrad\", \"Lion\" "
+                         f"and torch.optim's element-wise {', '.join(repr(t) for t in sorted(TORCH_TYPES))}")
     params = section.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"DeepSpeed config: optimizer.params must be an object, got {params!r}")
@@ -196,11 +198,34 @@ def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
     given = lambda k: params.get(k, defaults.get(k))  # noqa: E731  (None: not a param of that class)
     if name == "adagrad":  # torch.optim.Adagrad, as DeepSpeed builds it (DeepSpeedCPUAdagrad when offloaded)
         return Adagrad(**{k: float(given(k)) for k in table if given(k) is not None})
+    if name == "lion" or name in TORCH_TYPES:  # FusedLion / DeepSpeedCPULion, or torch.optim's class by name
+        policy = Lion if name == "lion" else TORCH_TYPES[name]
+        return policy(**{k: _as_field(given(k)) for k in table if given(k) is not None})
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam's default).
     decoupled = kind.lower() == "adamw" or bool(params.get("adam_w_mode", True))
     cls = AdamW if decoupled else Adam
     return cls(lr=float(given("lr")), betas=tuple(float(b) for b in given("betas")), eps=float(given("eps")),
-               weight_decay=float(given("weight_decay")))
+               weight_decay=float(given("weight_decay")), amsgrad=bool(given("amsgrad") or False),
+               bias_correction=bool(params.get("bias_correction", True)))
+
+
+TORCH_TYPES = {policy.TORCH: policy for policy in ELEMENTWISE_TORCH}
+"""torch.optim class name -> its policy, for "optimizer" sections naming one."""
+
+_REFUSED_TYPES = {
+    "lamb": "LAMB scales each parameter's update by its own norm ratio, which a flat shard holding parts of "
+            "several parameters cannot compute; use \"AdamW\"",
+    "onebitadam": "1-bit Adam's compressed communication is not in fxzero (nor in DeepSpeed 0.19.8); use \"Adam\"",
+    "zerooneadam": "0/1 Adam's compressed communication is not in fxzero (nor in DeepSpeed 0.19.8); use \"Adam\"",
+    "onebitlamb": "1-bit LAMB is not in fxzero (nor in DeepSpeed 0.19.8); use \"AdamW\"",
+    "muon": "Muon orthogonalizes each weight matrix whole, which a flat shard cannot; use \"AdamW\"",
+}
+"""Optimizer types fxzero refuses, with the reason each needs what fxzero does not have."""
+
+
+def _as_field(value: Any) -> Any:
+    """A param as a policy field takes it: lists as tuples (betas, etas), numbers as they are."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _reduce_dtype(get: Any, compute: "torch.dtype", notes: list[str]) -> "torch.dtype | None":

@@ -28,10 +28,15 @@ import json
 from typing import Any, Literal
 
 from fxzero.config.deepspeed_defaults import DEEPSPEED_VERSION, DEFAULTS, OPTIMIZER_DEFAULTS
+from fxzero.config.optimizers import ASGD, SGD, Adadelta, Adamax, Lion, NAdam, RAdam, RMSprop, Rprop
 from fxzero.config.schedules import SCHEDULES
 
 __all__ = ["AUTO_DEFAULT", "AUTO_IMPLIED", "KEYS", "NO_EFFECT", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES", "SECTION",
            "UNSUPPORTED", "USED", "Key", "markdown_table"]
+
+ELEMENTWISE_TORCH = (SGD, Adamax, NAdam, RAdam, RMSprop, Adadelta, ASGD, Rprop)
+"""torch.optim classes a DeepSpeed "optimizer" section may name (DeepSpeed builds them by name),
+whose update fxzero runs on shards exactly."""
 
 USED, NO_EFFECT, UNSUPPORTED, SECTION = "used", "no effect", "unsupported", "section"
 AUTO_DEFAULT, AUTO_IMPLIED = "DeepSpeed's default", "implied"
@@ -353,10 +358,10 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Key]] = {
         "torch_adam": _used("true: DeepSpeed builds torch.optim.AdamW (or Adam), so its defaults apply to the "
                             "params not given; fxzero's update has torch.optim's arithmetic either way"),
         "fused": _none("fxzero's update is one per unit shard"),
-        "bias_correction": _off("Adam without bias correction is not in fxzero: its Adam corrects the moments' "
-                                "bias, as torch.optim does (the first steps would differ from DeepSpeed's)",
-                                honoured=True),
-        "amsgrad": _off("fxzero's Adam has no AMSGrad variant", honoured=False),
+        "bias_correction": _used("false: AdamW/Adam(bias_correction=False), the moments used uncorrected as "
+                                 "FusedAdam and DeepSpeedCPUAdam do"),
+        "amsgrad": _used("amsgrad: AdamW/Adam with torch.optim's AMSGrad (the running maximum of the second "
+                         "moment)"),
         "fp32_optimizer_states": _none("fxzero keeps the optimizer states in fp32 always"),
     },
     "adagrad": {
@@ -371,8 +376,19 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Key]] = {
 """Each optimizer type's params ("adamw" reads as "adam")."""
 
 
-OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW"), "adagrad": ("Adagrad",)}
-"""The "optimizer" "type" values that read each `OPTIMIZER_PARAMS` table (case-insensitively)."""
+def _policy_params(policy: type) -> dict[str, Key]:
+    """An element-wise optimizer's params: its policy's fields, each used as torch.optim names it."""
+    return {f.name: _used(f"{policy.__name__}.{f.name}") for f in dataclasses.fields(policy)}
+
+
+OPTIMIZER_PARAMS["lion"] = _policy_params(Lion)
+for _policy in ELEMENTWISE_TORCH:
+    OPTIMIZER_PARAMS[_policy.TORCH] = _policy_params(_policy)
+
+OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW"), "adagrad": ("Adagrad",), "lion": ("Lion",),
+                                               **{p.TORCH: (p.TORCH,) for p in ELEMENTWISE_TORCH}}
+"""The "optimizer" "type" values that read each `OPTIMIZER_PARAMS` table: DeepSpeed's own types
+case-insensitively; a torch.optim class by its exact name, as DeepSpeed looks it up."""
 
 
 # -- the docs' tables ---------------------------------------------------------------------------

@@ -118,11 +118,17 @@ class AdamW(OptimizerPolicy):
     amsgrad: bool = False
     """AMSGrad: divide by the running maximum of the second moment, kept as a third state
     ("max_exp_avg_sq"); then torch's own update runs (`torch_updates.py`)."""
+    bias_correction: bool = True
+    """False: the moments are used as they are, without dividing by 1 - beta**step (DeepSpeed's
+    FusedAdam / DeepSpeedCPUAdam with "bias_correction": false); torch.optim always corrects."""
 
     def __post_init__(self) -> None:
         self._check_nonnegative("lr")
         self._check_pair("betas", 0.0, 1.0)
         self._check_nonnegative("eps", "weight_decay")
+        if self.amsgrad and not self.bias_correction:
+            raise ValueError(f"{type(self).__name__}(amsgrad=True, bias_correction=False): torch.optim's AMSGrad "
+                             "always corrects the moments' bias; choose one of them")
 
     def uses(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")

@@ -102,8 +102,9 @@ def _adam(policy, param, grad, states, step: int, hp: dict) -> None:
         grad = grad.add(param, alpha=wd)  # torch.optim.Adam: L2 on the gradient
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    # (Without bias correction, DeepSpeed's FusedAdam(bias_correction=False): both factors are 1.)
+    bias_correction1 = 1 - beta1**step if policy.bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if policy.bias_correction else 1.0
     step_size = lr / bias_correction1
     # (sqrt(v) / sqrt(bc2)) + eps, the same operations as torch.optim.AdamW, in one buffer.
     denom = torch.sqrt(exp_avg_sq, out=_scratch(exp_avg_sq)).div_(math.sqrt(bias_correction2)).add_(eps)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from fxzero.config import Adam, AdamW, Config, Cpu, notices
+from fxzero.config import SGD, Adam, AdamW, Config, Cpu, Lion, RMSprop, notices
 from fxzero.config.batch import resolve_batch
 from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import IneffectiveSetting
@@ -112,7 +112,12 @@ def test_adam_is_adamw_unless_adam_w_mode_is_false():
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      r"offload_optimizer.ratio=0.3 is not supported by fxzero: fxzero offloads all"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, r"zero_quantized_weights=true is not supported"),
-    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, r"amsgrad=true is not supported"),
+    ({"optimizer": {"type": "Lamb"}}, r"optimizer type 'Lamb' is not supported \(LAMB scales each parameter's "
+                                      r"update by its own norm ratio"),
+    ({"optimizer": {"type": "sgd"}}, r"optimizer type 'sgd' is not supported .* 'SGD'"),
+    ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, r"no 'betas' for SGD"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True, "bias_correction": False}}},
+     r"amsgrad=True, bias_correction=False"),
     ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
     ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op=\"sum\" is not supported"),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, r"\"communication_data_type\" 'fp16' with "
@@ -282,3 +287,20 @@ def test_a_section_that_switches_nothing_on_is_accepted(section):
     on = {**off, "enabled": True} if "enabled" in off else {**off, "layer_reduction": {"enabled": True}}
     with pytest.raises(ValueError, match=rf"{section}=.* is not supported by fxzero"):
         read_deepspeed({section: on})
+
+
+@pytest.mark.parametrize("ds, want", [
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+     AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=True)),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 0.1, "bias_correction": False}}},
+     AdamW(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=False)),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}},
+     SGD(lr=0.1, momentum=0.9, nesterov=True)),
+    ({"optimizer": {"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99]}}},
+     Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)),
+    ({"optimizer": {"type": "RMSprop", "params": {"alpha": 0.9}}}, RMSprop(alpha=0.9)),
+])
+def test_optimizer_types_read_as_deepspeed_builds_them(ds, want):
+    """DeepSpeed's own types (Adam with amsgrad or without bias correction, Lion at FusedLion's
+    defaults) and torch.optim classes named exactly (their defaults torch's)."""
+    assert Config.from_deepspeed(ds).optimizer == want

@@ -123,7 +123,7 @@ def test_rows_say_what_happens_and_what_auto_becomes():
         "| `zero_optimization.offload_param.buffer_count` | used | `5` | error |",
         "| `aio` | no effect (warned once) |  | accepted |",
         "| `zero_optimization` | section |  | error |",
-        "| `optimizer.params.bias_correction` | error unless `true` |  | error |",
+        "| `optimizer.params.bias_correction` | used |  | error |",
         "| `FusedAdam` | `lr` `0.001`, `betas` `[0.9, 0.999]`, `eps` `1e-08`, `weight_decay` `0.0`,",
         "| `torch.optim.AdamW` | `lr` `0.001`, `betas` `[0.9, 0.999]`, `eps` `1e-08`, `weight_decay` `0.01`,",
         '| `"OneCycle"` | `cycle_min_lr` | required |',

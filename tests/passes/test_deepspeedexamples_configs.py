@@ -48,9 +48,6 @@ FEATURES: dict[str, list[str]] = {
                                                         "compression__cifar__config__ds_config.json",
                                                         "compression__gpt2__config__ds_config.json")],
     r"data efficiency library, curriculum learning and random layer-token drop": _files("training__data_efficiency__"),
-    r"bias_correction=false .*Adam without bias correction is not in fxzero": [
-        "training__BingBertSquad__deepspeed_bsz24_config.json", "training__bing_bert__glue_bert_base.json",
-        "training__bing_bert__glue_bert_large.json"],
     r"progressive layer dropping": ["training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json"],
     r"sparse attention": ["training__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json"],
     r"Mixture-of-Quantization, MoQ": ["training__MoQ__test.json"],
@@ -113,9 +110,9 @@ def test_how_many_are_read():
     # DeepSpeed 0.19.8 itself refuses 35 of them: 17 use a feature it removed (its compression
     # library, MoQ, sparse attention, progressive layer drop), 18 a 1-bit optimizer it removed
     assert len(runs) == 40
-    assert (len(READ), len(set(READ) & runs)) == (29, 28)
-    # of the configs DeepSpeed runs, fxzero reads 28 of 40 (70%); every other one needs a feature
-    # fxzero does not have (FEATURES) or an optimizer it does not run (OPTIMIZER_TYPES)
-    assert len(set(READ) & runs) / len(runs) >= 0.70
-    assert len(set(READ) & runs) / len(runs - set(OPTIMIZER_TYPES)) >= 0.71
+    assert (len(READ), len(set(READ) & runs)) == (32, 31)
+    # of the configs DeepSpeed runs, fxzero reads 31 of 40 (77.5%); every other one needs a feature
+    # fxzero does not have (FEATURES) or an optimizer it does not run (OPTIMIZER_TYPES: LAMB)
+    assert len(set(READ) & runs) / len(runs) >= 0.775
+    assert len(set(READ) & runs) / len(runs - set(OPTIMIZER_TYPES)) >= 0.79
     assert len(OPTIMIZER_TYPES) == 19

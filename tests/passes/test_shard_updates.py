@@ -51,6 +51,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 """Each torch optimizer with the options that change its arithmetic (ASGD, RMSprop and SGD with
 the states that only some options create)."""
 
+NOT_TORCH: dict[str, tuple[str, dict[str, Any]]] = {
+    "lion": ("Lion", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)),
+    "adamw-no-bias-correction": ("AdamW", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.1,
+                                               bias_correction=False)),
+}
+"""Updates torch.optim does not have, against their definitions written out here: Lion, and
+DeepSpeed's FusedAdam without bias correction."""
+
 
 class _EagerLion(torch.optim.Optimizer):
     """Lion as its authors' reference code updates whole tensors (Chen et al. 2023, lion_pytorch)."""
@@ -70,6 +78,26 @@ class _EagerLion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
+class _EagerUncorrectedAdamW(torch.optim.Optimizer):
+    """AdamW without bias correction, as DeepSpeed's FusedAdam(bias_correction=False, adam_w_mode=True)
+    defines it (step size lr, denominator sqrt(v) + eps), in torch.optim.AdamW's operations."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                v = self.state[p].setdefault("exp_avg_sq", torch.zeros_like(p))
+                p.mul_(1 - lr * wd)
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
@@ -81,6 +109,8 @@ def _torch_optimizer(name: str, named: dict[str, nn.Parameter], options: dict[st
               {"params": [p for p in named.values() if p.ndim < 2], "lr": options["lr"] / 2}]
     if name == "Lion":
         return _EagerLion(groups, **options)
+    if options.get("bias_correction") is False:
+        return _EagerUncorrectedAdamW(groups, **{k: v for k, v in options.items() if k != "bias_correction"})
     return getattr(torch.optim, name)(groups, foreach=False, **options)
 
 
@@ -119,9 +149,9 @@ def _run(name: str, options: dict[str, Any], world_size: int):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("case", [*CASES, "lion"])
+@pytest.mark.parametrize("case", [*CASES, *NOT_TORCH])
 def test_a_shard_update_is_torchs_update_bit_for_bit(case, world_size):
-    name, options = CASES[case] if case != "lion" else ("Lion", dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.1))
+    name, options = CASES[case] if case in CASES else NOT_TORCH[case]
     model, reference, policy, layouts, flat, states = _run(name, options, world_size)
     named = dict(model.named_parameters())
     for layout in layouts:
@@ -157,6 +187,9 @@ def test_policies_take_torchs_constructor_defaults_and_names():
             continue
         torch_defaults = getattr(torch.optim, cls.TORCH)(one).defaults
         for f in dataclasses.fields(cls):
+            if f.name == "bias_correction":  # (DeepSpeed's FusedAdam switch; torch always corrects)
+                assert cls().bias_correction is True
+                continue
             want = torch_defaults[f.name]
             got = getattr(cls(), f.name)
             assert (tuple(got) if isinstance(got, tuple) else got) == (tuple(want) if isinstance(want, (tuple, list))
