@@ -83,6 +83,6 @@ def compile_program(
     schedule = build_schedule(
         ctx.programs, layouts, stage=config.stage, world_size=world_size,
         persistent=persistent_units(config, layouts),
-        prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"),
+        prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"), shapes=traced.shapes,
     )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

@@ -19,6 +19,14 @@ The result is one flat-argument `GraphModule` whose placeholders are tagged in
 
 and whose output is the flat list `[*outputs, *grads, *new_buffers]`, described by a
 `JointSignature`.
+
+Sizes ([Note: any size, one program] in `fxzero/ir/shapes.py`). An input dim marked dynamic
+(`torch._dynamo.maybe_mark_dynamic` or `mark_dynamic` on the example tensor: the engine marks the
+dims a later call changed) is traced as a symbol, so the graph computes every size from its
+inputs and runs at any size its guards accept; every other dim is the example's size. Sizes
+that depend on the data (`nonzero`, `x[mask]`, `masked_select`, and `index_select` on their
+result) are unbacked symbols, in every trace. `TracedJoint.shapes` records the shapes, guards
+and the sizes the schedule's figures are evaluated at.
 """
 
 from __future__ import annotations
@@ -35,15 +43,28 @@ import torch.nn as nn
 
 from fxzero._compat import (
     DataDependentOutputException,
+    DimDynamic,
+    DynamicOutputShapeException,
     FakeTensorMode,
     GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+    backed_hints,
+    dynamic_dims_of,
+    free_unbacked_symbols,
     get_decompositions,
+    local_source,
     make_fx,
     pytree,
+    size_like_symbols,
+    upper_bound,
+    where_fixed,
 )
+from fxzero.ir.shapes import InputShapes
 from fxzero.ir.signature import JointSignature, argument_name, flatten_call
+from fxzero.ir.sizes import concrete, register_sizes
 
-__all__ = ["TracedJoint", "trace_joint"]
+__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "trace_joint"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
 # decomposition does the update with explicit copy_, which functionalization can see. In eval
@@ -65,6 +86,8 @@ _DECOMPOSITIONS = {torch.ops.aten.native_batch_norm.default: _batch_norm_when_tr
 class TracedJoint:
     gm: fx.GraphModule
     signature: JointSignature
+    shapes: Optional[InputShapes] = None
+    """The input sizes the graph serves and the sizes its figures are for (`ir/shapes.py`)."""
 
 
 def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = False,
@@ -73,6 +96,18 @@ def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = Fals
     with mode:
         out = torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
     return out.requires_grad_(requires_grad)
+
+
+def _input_fake(mode: FakeTensorMode, t: torch.Tensor, index: int) -> torch.Tensor:
+    """A fake CPU input with t's shape and dtype: the dims marked dynamic symbolic, the others
+    the example's sizes. Symbolic inputs are traced contiguous (their programs read sizes only)."""
+    dims = dynamic_dims_of(t)
+    if not dims:
+        return _fake_like(mode, t)
+    template = torch.empty(t.shape, dtype=t.dtype)  # (a real CPU tensor: t may be meta or fake)
+    context = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())])
+    return mode.from_tensor(template, symbolic_context=context, source=local_source(f"t{index}"))
 
 
 def _check_model(model: nn.Module) -> None:
@@ -103,11 +138,43 @@ class DataDependentControlFlow(ValueError):
         return self
 
 
+class DataDependentShape(ValueError):
+    """A size that depends on the data is used where fxzero's trace cannot follow it: an operator
+    whose output size no rule gives, a Python decision on the count `nonzero` or a boolean mask
+    selected, or a differentiable output of such a size. (The engine says which rank.)"""
+
+    def __init__(self, where: str, what: str = "") -> None:
+        super().__init__(
+            f"{what or 'a size that depends on the tensor values'} at {where}: fxzero traces the model once, on fake "
+            "tensors that have shapes but no values, and follows a data-dependent size only through operators "
+            "(nonzero, x[mask], masked_select, index_select on their result), not through a Python decision or an "
+            "operator without a size rule. Ways out: let the size flow through those operators instead of deciding "
+            "on it (they work on any count, none included), and return a reduced value (a loss) rather than the "
+            "selected rows; or a fixed-size formulation: keep every position and mask the ones that do not count "
+            "(torch.where(mask, x, 0); labels -100 there, with cross_entropy's ignore_index=-100)")
+        self.where = where
+
+    def with_rank(self, rank: int) -> "DataDependentShape":
+        self.args = (f"[rank {rank}] {self.args[0]}",)
+        return self
+
+
 @contextlib.contextmanager
-def _explains_data_dependence():
+def _explains_data_dependence(shape_env: Optional[ShapeEnv] = None):
     try:
         yield
-    except (DataDependentOutputException, GuardOnDataDependentSymNode) as e:
+    except DynamicOutputShapeException as e:
+        where = _users_line(e.__traceback__)
+        raise DataDependentShape(where, f"the forward calls {e.func}, whose output size depends on the tensor "
+                                        "values and has no size rule in the tracer,") from e
+    except GuardOnDataDependentSymNode as e:
+        where = _users_line(e.__traceback__)
+        symbols = getattr(e.cond, "free_symbols", set())
+        if shape_env is not None and symbols & size_like_symbols(shape_env):
+            raise DataDependentShape(where, "the forward decides in Python on a size that depends on the data (how "
+                                            "many elements nonzero or a boolean mask selected)") from e
+        raise DataDependentControlFlow(where) from e
+    except DataDependentOutputException as e:
         raise DataDependentControlFlow(_users_line(e.__traceback__)) from e
 
 
@@ -163,6 +230,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
             constants.
         ValueError: if the forward mutates a parameter or an input.
+        DataDependentControlFlow: for a Python decision on a tensor's value, naming the line;
+            `DataDependentShape` where a size that depends on the data cannot be followed.
     """
     _check_model(model)
     leaves, in_spec = flatten_call(example_inputs, kwargs)
@@ -187,14 +256,21 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     trainable = tuple(f for f in params if f in planned and not forward_only)
     wanted = {f for f in trainable if params[f].requires_grad}  # (frozen since the units were planned: no grad)
     buffer_fqns = tuple(buffers)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # A ShapeEnv in every trace: symbolic input dims, and the unbacked sizes of data-dependent
+    # operators (nonzero), which a fake mode without one refuses. Without duck sizing, two dims
+    # of equal example size are the same symbol only where the model makes them so.
+    shape_env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env)
+    # The inputs are made once (never differentiated, never mutated): both traces below see the
+    # same symbols, so the grad_outputs' sizes are in the inputs' symbols.
+    fake_inputs = [_input_fake(mode, x, i) for i, x in enumerate(example_tensors)]
+    symbolic = any(isinstance(d, torch.SymInt) for x in fake_inputs for d in x.shape)
 
     def fresh_args() -> tuple[list, list, list]:
         fp = [_fake_like(mode, p, f in wanted, param_dtype if p.is_floating_point() else None)
               for f, p in params.items()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
-        fx_ = [_fake_like(mode, x) for x in example_tensors]
-        return fp, fb, fx_
+        return fp, fb, list(fake_inputs)
 
     def forward(fp: list, fb: list, fi: list) -> Any:
         if param_dtype is not None:  # the cast is a node of the graph, at the forward's start
@@ -211,10 +287,25 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
 
     # A fake forward first, to learn the outputs' structure and which need a grad_output.
     # Everything runs under the fake mode, so tensors the forward creates itself
-    # (torch.arange for positions, masks) are fake too.
+    # (torch.arange for positions, masks) are fake too. (Its data-dependent sizes are
+    # discarded: the joint trace makes its own.) With symbolic sizes it runs under make_fx as
+    # the joint trace does: an operator torch implements in C++ from concrete sizes (F.pad) is
+    # decomposed there into ones that keep sizes symbolic, where the fake mode alone would
+    # specialize them to the example's.
     fp, fb, fi = fresh_args()
-    with mode, torch.enable_grad(), _explains_data_dependence():
-        out_all, out_spec = output_leaves(forward(fp, fb, fi))
+    with mode, torch.enable_grad(), _explains_data_dependence(shape_env), shape_env.ignore_fresh_unbacked_symbols():
+        if symbolic:
+            found: list = []
+
+            def outputs(*flat: torch.Tensor) -> list:
+                found.append(output_leaves(forward(list(flat[: len(fp)]), list(flat[len(fp) : len(fp) + len(fb)]),
+                                                   list(flat[len(fp) + len(fb) :]))))
+                return [o for o in found[0][0] if isinstance(o, torch.Tensor)]
+
+            make_fx(outputs, decomposition_table=_DECOMPOSITIONS, tracing_mode="symbolic")(*fp, *fb, *fi)
+            out_all, out_spec = found[0]
+        else:
+            out_all, out_spec = output_leaves(forward(fp, fb, fi))
     constants: dict[int, Any] = {}
     dropped = []
     out_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
@@ -229,6 +320,7 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         _warn_dropped(model, dropped)
     out_flat = [o for o in out_all if isinstance(o, torch.Tensor)]
     differentiable = tuple(bool(o.requires_grad) for o in out_flat)
+    _check_output_sizes(out_flat, differentiable, out_paths, [i for i in range(len(out_all)) if i not in constants])
     with mode:
         grad_outputs = [torch.empty_like(o).detach() for o, d in zip(out_flat, differentiable) if d]
 
@@ -247,11 +339,13 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         return [*outs, *grads]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
+    # "symbolic" records how each size is computed from the inputs (aten.sym_size nodes).
+    tracing_mode = "symbolic" if symbolic else "real"
     with mode:
-        with _explains_data_dependence():
-            gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS)(*flat_args)
+        with _explains_data_dependence(shape_env):
+            gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode)(*flat_args)
         detached = [t.detach() for t in flat_args]
-        gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"))(*detached)
+        gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
 
     _inline_constants(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -284,7 +378,70 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         gradless_fqns=gradless,
         constant_outputs=tuple(sorted(constants.items())),
     )
-    return TracedJoint(gm, signature)
+    marked = [dynamic_dims_of(x) for x in example_tensors]
+    shapes = (_input_shapes(shape_env, fake_inputs, gm, marked) if symbolic or _has_unbacked(gm)
+              else InputShapes.static(fake_inputs))
+    return TracedJoint(gm, signature, shapes)
+
+
+def _check_output_sizes(outs: list, differentiable: tuple, paths: list[str], positions: list[int]) -> None:
+    """A differentiable output whose size depends on the data has a gradient of a size the
+    trace cannot give its placeholder: refuse it, naming the output and the ways out."""
+    for o, d, at in zip(outs, differentiable, positions):
+        if d and free_unbacked_symbols(o.shape):
+            raise DataDependentShape(
+                f"output{paths[at]}", "the model returns a differentiable tensor whose size depends on the data "
+                f"(shape {tuple(o.shape)}, from nonzero or a boolean mask)")
+
+
+def _has_unbacked(gm: fx.GraphModule) -> bool:
+    return any(free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes if "val" in n.meta)
+
+
+def _input_shapes(shape_env: ShapeEnv, fake_inputs: list, gm: fx.GraphModule, marked: list) -> InputShapes:
+    """The inputs' shapes (a dim the trace specialized is its size, and says where), the guards
+    torch recorded (strides left out: [Note: any size, one program]), and the sizes the figures
+    are for, which are registered so `fxzero.ir.sizes` evaluates the graph's sizes at them."""
+    shapes, specialized = [], []
+    for i, x in enumerate(fake_inputs):
+        dims = []
+        for d, n in enumerate(x.shape):
+            expr = shape_env.replace(n.node.expr) if isinstance(n, torch.SymInt) else n
+            dims.append(int(expr) if getattr(expr, "is_number", True) else str(expr))
+            if d in marked[i] and isinstance(dims[-1], int):
+                specialized.append((i, d, where_fixed(shape_env, f"L['t{i}'].size()[{d}]") or "an unknown place"))
+        shapes.append(tuple(dims))
+    guards = []
+    if any(isinstance(d, str) for dims in shapes for d in dims):
+        produced = shape_env.produce_guards(fake_inputs, [local_source(f"t{i}") for i in range(len(fake_inputs))],
+                                            ignore_static=False)
+        guards = [g for g in produced if ".stride()" not in g and ".storage_offset()" not in g]
+    sizes = backed_hints(shape_env)
+    estimated = _estimate_data_dependent(shape_env, gm, sizes)
+    register_sizes(shape_env, {**sizes, **estimated})
+    named = {str(s): v for s, v in sizes.items() if any(str(s) in dims for dims in shapes)}
+    named.update({str(s): v for s, v in estimated.items()})
+    return InputShapes.traced(shapes, guards, named, [str(s) for s in estimated], specialized)
+
+
+def _estimate_data_dependent(shape_env: ShapeEnv, gm: fx.GraphModule, sizes: dict) -> dict:
+    """Each unbacked size (nonzero's count) at its largest: the most elements of the tensors the
+    node that made it reads (every element selected), or its range's upper bound if smaller. An
+    upper bound, so the memory timeline and cost estimates never undercount."""
+    register_sizes(shape_env, sizes)
+    estimated: dict = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        new = [u for u in free_unbacked_symbols(val) if u not in estimated] if val is not None else []
+        if not new:
+            continue
+        reads = [i.meta.get("val") for i in node.all_input_nodes]
+        largest = max((concrete(r.numel()) for r in reads if isinstance(r, torch.Tensor)), default=None)
+        for u in new:
+            candidates = [v for v in (largest, upper_bound(shape_env, u)) if v is not None]
+            estimated[u] = min(candidates) if candidates else 1
+        register_sizes(shape_env, estimated)
+    return estimated
 
 
 _WARNED_DROPPED: set = set()

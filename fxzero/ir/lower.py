@@ -69,6 +69,12 @@ def buffer_of(node: fx.Node) -> str:
     return ""
 
 
+def _holds_tensors(val: Any) -> bool:
+    if isinstance(val, (list, tuple)):
+        return any(_holds_tensors(v) for v in val)
+    return val is None or isinstance(val, torch.Tensor)
+
+
 def _dtype(node: fx.Node, layout: Optional[UnitLayout]) -> str:
     if kind(node) == "fetch":
         return str(node.args[3]).removeprefix("torch.")
@@ -112,6 +118,8 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
         read_bytes = nbytes(node.args[0].meta.get("val"))
     if k == "compute" and alias_source(node) is not None:
         size = read_bytes = 0  # a view moves no data
+    if k == "compute" and not _holds_tensors(node.meta.get("val")):
+        read_bytes = 0  # a size (aten.sym_size of a symbolic program) reads no data, only metadata
     scatter = k == "reduce_scatter"
     return Instruction(
         name=node.name,

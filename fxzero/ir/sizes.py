@@ -1,8 +1,15 @@
-"""Sizes: elements and bytes of traced values, FLOPs of ATen nodes, rounding to a multiple."""
+"""Sizes: elements and bytes of traced values, FLOPs of ATen nodes, rounding to a multiple.
+
+A program traced with symbolic sizes ([Note: any size, one program] in `ir/shapes.py`) has
+SymInt sizes in its values; every figure here is a number, evaluated at the sizes the trace
+registered for its ShapeEnv (`register_sizes`: the example's, data-dependent sizes at their
+largest). Evaluating never guards: the program stays valid for every size.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -10,7 +17,35 @@ from torch.utils.flop_counter import flop_registry
 
 from fxzero._compat import pytree
 
-__all__ = ["flops", "itemsize_of", "nbytes", "round_up", "value_size"]
+__all__ = ["concrete", "flops", "itemsize_of", "nbytes", "register_sizes", "round_up", "value_size"]
+
+_SIZES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+"""ShapeEnv -> {sympy symbol: int}: what its symbols are evaluated at (`register_sizes`)."""
+
+
+def register_sizes(shape_env: Any, sizes: Mapping[Any, int]) -> None:
+    """Evaluate the symbols of `shape_env` at `sizes` from now on (the trace calls this)."""
+    _SIZES.setdefault(shape_env, {}).update(sizes)
+
+
+def concrete(n: Any) -> int:
+    """An int size, or a SymInt evaluated at its registered sizes (no guard is added)."""
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    node = n.node
+    known = node.maybe_as_int()
+    if known is not None:
+        return known
+    env = node.shape_env
+    expr = env.replace(node.expr)
+    value = expr.xreplace(_SIZES.get(env, {})) if hasattr(expr, "xreplace") else expr
+    if not getattr(value, "is_number", True):  # a symbol never registered: the ShapeEnv's own hint
+        value = env.size_hint(expr)
+    return int(value)
+
+
+def _is_symbolic(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -21,7 +56,8 @@ def round_up(n: int, multiple: int) -> int:
 def value_size(val: Any) -> tuple[int, int]:
     """(elements, bytes) of a traced value: a tensor, or a list or tuple of them (else 0, 0)."""
     if isinstance(val, torch.Tensor):
-        return val.numel(), val.numel() * val.element_size()
+        numel = concrete(val.numel())
+        return numel, numel * val.element_size()
     if isinstance(val, (list, tuple)):
         parts = [value_size(v) for v in val]
         return sum(p[0] for p in parts), sum(p[1] for p in parts)
@@ -40,6 +76,15 @@ def itemsize_of(node: Any, default: int) -> int:
     return val.element_size() if isinstance(val, torch.Tensor) else default
 
 
+def _at_sizes(val: Any) -> Any:
+    """A symbolic value as a meta tensor of its evaluated shape, for torch's shape-only formulas."""
+    if _is_symbolic(val):
+        return torch.empty([concrete(d) for d in val.shape], dtype=val.dtype, device="meta")
+    if isinstance(val, torch.SymInt):
+        return concrete(val)
+    return val
+
+
 def flops(node: fx.Node) -> int:
     """FLOPs of an ATen node by torch's own formulas (matmuls, convolutions, attention)."""
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
@@ -47,10 +92,10 @@ def flops(node: fx.Node) -> int:
         return 0
 
     def val(a):
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
+        return _at_sizes(a.meta.get("val")) if isinstance(a, fx.Node) else _at_sizes(a)
 
     args, kwargs = pytree.tree_map(val, (node.args, node.kwargs))
     try:
-        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        return int(formula(*args, **kwargs, out_val=pytree.tree_map(_at_sizes, node.meta.get("val"))))
     except Exception:  # a formula that cannot read these arguments: count nothing, never fail
         return 0

@@ -5,6 +5,10 @@ A forward value the backward uses is saved across the boundary, unless it is der
 parameters alone (a view, a transpose, a cast of a weight): such a value is recomputed in the
 backward from the unit's own buffer, so gathered parameters never cross the boundary.
 
+A size (`aten.sym_size` of a forward value, and arithmetic on sizes, in a program traced with
+symbolic sizes) that the backward reads is computed in the forward: the backward then saves an
+int, not the tensor whose size it is ([Note: any size, one program] in `fxzero/ir/shapes.py`).
+
 Before::                                   After::
 
     w = as_strided(unit_0, ...)  # fwd          w = as_strided(unit_0, ...)    # fwd
@@ -22,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, tag
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"units_partitioned"})
@@ -75,6 +79,29 @@ def _param_only(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     return result
 
 
+def _is_size(node: fx.Node) -> bool:
+    """A node that computes a size, not a tensor (its traced value is a SymInt, or an int)."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (int, torch.SymInt))
+
+
+def _sizes_into_forward(graph: fx.Graph) -> int:
+    """Backward sizes of forward values become forward nodes, each right after the value it reads
+    (so that value is not kept alive to the forward's end for it). Returns how many moved."""
+    moved = 0
+    for node in list(graph.nodes):  # (in graph order: a size computed from sizes follows them)
+        if not (phase(node) == BACKWARD and _is_size(node) and node.all_input_nodes
+                and all(phase(i) == FORWARD for i in node.all_input_nodes)):
+            continue
+        tag(node, phase=FORWARD)
+        order = positions(graph)
+        anchor = max(node.all_input_nodes, key=order.__getitem__)
+        if anchor.op == "placeholder":  # after the last placeholder, where the program's code starts
+            anchor = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__)
+        anchor.append(node)
+        moved += 1
+    return moved
+
+
 def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     return node.op == "call_function" and _param_only(node, memo)
 
@@ -87,6 +114,7 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             tag(node, phase=BACKWARD if is_kind(node, "grad_output") else FORWARD)
         elif node.op != "output":
             tag(node, phase=FORWARD if node in forward else BACKWARD)
+    sizes_moved = _sizes_into_forward(graph)
 
     memo: dict[fx.Node, bool] = {}
     clones: dict[fx.Node, fx.Node] = {}
@@ -115,7 +143,8 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph.eliminate_dead_code()
     n_fwd = sum(1 for n in graph.nodes if phase(n) == FORWARD)
     return PassResult(
-        gm, changed=True, summary={"forward_nodes": n_fwd, "recomputed_in_backward": recomputed}
+        gm, changed=True, summary={"forward_nodes": n_fwd, "recomputed_in_backward": recomputed,
+                                   "sizes_from_forward": sizes_moved}
     )
 
 

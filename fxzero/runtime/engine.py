@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from fxzero.config import Config
 from fxzero.config.batch import BatchSizes
+from fxzero._compat import maybe_mark_dynamic, pytree
 from fxzero.ir.instruction import Instruction
 from fxzero.ir.signature import flatten_call
 from fxzero.runtime import checkpoint
@@ -122,9 +123,11 @@ class Engine:
     def _key(self, leaves: list, spec: Any) -> tuple:
         """[Note: what a program is compiled for] One program per call structure (positional and
         keyword arguments, nesting), constant arguments (bools, ints, None: they select code
-        paths), tensor shapes and dtypes, the training flag of every submodule (a submodule in
+        paths), tensor dtypes and ranks, the training flag of every submodule (a submodule in
         eval runs without dropout), and the autocast state (a program traced under autocast
         computes in its dtype), and grad mode. The same call in another mode is another program.
+        Tensor sizes are not in the key: a program serves the sizes its shapes accept
+        ([Note: any size, one program] in `fxzero/ir/shapes.py`, and `_runners_for`).
 
         [Note: forward-only programs]
         A call under `torch.no_grad()` (or inference mode) runs a program traced without the
@@ -135,7 +138,7 @@ class Engine:
         tensors, constants = [], []
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
-                tensors.append((tuple(x.shape), x.dtype))
+                tensors.append((x.dim(), x.dtype))
                 continue
             try:
                 hash(x)
@@ -148,12 +151,51 @@ class Engine:
         return (str(spec), tuple(constants), tuple(tensors), modes, autocast, torch.is_grad_enabled())
 
     def _runners_for(self, args: tuple, kwargs: dict, leaves: list, spec: Any) -> Runners:
-        key = self._key(leaves, spec)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        # Under no_grad: a forward-only program ([Note: forward-only programs]).
-        compiled = self._compile(args, kwargs, not torch.is_grad_enabled())  # (on this rank alone: see _agree)
+        """The program for this call: the most recently used one of its key whose shapes accept
+        the call's sizes, else a new one.
+
+        Which dims are symbolic: as torch.compile's automatic dynamic shapes, the first call of
+        a key is traced at its sizes (a static program, exact figures, nothing symbolic to pay
+        for where sizes never change); a later call that no program accepts is traced with
+        symbolic sizes in every dim where it differs from a program of its key (and in the dims
+        those already had symbolic), so from the second padded length on, one program serves
+        every length. Dims the user marked (`torch._dynamo.mark_dynamic`) are symbolic from the
+        first call. Collectives move each unit's flat buffer, whatever the sizes, so ranks that
+        run different programs of one key in a step still agree (`_agree`)."""
+        family = self._key(leaves, spec)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        for key in reversed(self._cache):
+            if key[0] == family and self._cache[key].compiled.shapes.accepts(tensors):
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        dynamic: set[tuple[int, int]] = set()
+        for key, cached in self._cache.items():
+            if key[0] == family:
+                dynamic |= cached.compiled.shapes.dims_differing(tensors)
+        if dynamic:
+            position = iter(range(len(tensors)))  # (the order of `leaves`: flatten_call's)
+
+            def marked(x: Any) -> Any:
+                if not isinstance(x, torch.Tensor):
+                    return x
+                i, alias = next(position), x.detach()  # (an alias: the user's tensor stays unmarked)
+                maybe_mark_dynamic(alias, sorted(d for j, d in dynamic if j == i))
+                return alias
+
+            args, kwargs = pytree.tree_map(marked, (tuple(args), dict(kwargs)))
+        try:
+            # Under no_grad: a forward-only program ([Note: forward-only programs]).
+            compiled = self._compile(args, kwargs, not torch.is_grad_enabled())  # (on this rank alone: see _agree)
+        except ValueError as e:  # a trace error naming the model's line (`fxzero.trace`): say which rank
+            if callable(getattr(e, "with_rank", None)) and not str(e).startswith("[rank "):
+                raise e.with_rank(self.rank) from e.__cause__
+            raise
+        if dynamic and compiled.shapes.specialized:
+            fixed = "; ".join(f"input {i} dim {d} (fixed at {where})" for i, d, where in compiled.shapes.specialized)
+            warnings.warn(f"[rank {self.rank}] the model needs some input sizes that change between calls at one "
+                          f"size: {fixed}. Each size compiles a program of its own (a trace each, and "
+                          "Config.program_cache_size of them kept); pad those inputs to one size, or change the "
+                          "code named there to compute from the tensor's size", stacklevel=4)
         gradless = frozenset(compiled.signature.gradless_fqns)
         update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
         schedule, programs = compiled.schedule, compiled.programs
@@ -163,13 +205,15 @@ class Engine:
                                  self.store, update, pool=self._pool, flags=self.control.flags)
 
         sequence = collective_sequence(schedule)
+        key = (family, compiled.shapes)
         self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
                                    sequence_digest(sequence))
+        self._cache.move_to_end(key)
         if len(self._cache) > self.config.program_cache_size:
             evicted, _ = self._cache.popitem(last=False)
             warnings.warn(f"[rank {self.rank}] {len(self._cache) + 1} programs exceed Config.program_cache_size="
                           f"{self.config.program_cache_size}: evicted the least recently used (inputs "
-                          f"{list(evicted[2])}); a run that cycles through more call signatures recompiles "
+                          f"{evicted[1].describe()}); a run that cycles through more call signatures recompiles "
                           "each time: raise the size", stacklevel=4)
         return self._cache[key]
 

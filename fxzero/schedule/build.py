@@ -19,6 +19,7 @@ from fxzero.ir.instruction import ASYNC, Instruction
 from fxzero.ir.layout import UnitLayout
 from fxzero.ir.lower import instruction_of, is_fetched_shard
 from fxzero.ir.program import Program
+from fxzero.ir.shapes import InputShapes
 from fxzero.ir.sizes import itemsize_of
 from fxzero.ir.tags import kind, output_node
 from fxzero.schedule.types import SCHEDULE_VERSION, Kept, ProgramSchedule, Schedule
@@ -116,14 +117,17 @@ def _program_schedule(program: Program, layouts: dict[str, UnitLayout]) -> Progr
 
 
 def build_schedule(programs: dict[str, Program], layouts: list[UnitLayout], *, stage: int, world_size: int,
-                   persistent: frozenset[str], prefetch_budget_bytes: Optional[int] = None) -> Schedule:
-    """The Schedule of the forward, backward and step programs (from the passes)."""
+                   persistent: frozenset[str], prefetch_budget_bytes: Optional[int] = None,
+                   shapes: Optional[InputShapes] = None) -> Schedule:
+    """The Schedule of the forward, backward and step programs (from the passes); `shapes`: the
+    input sizes it serves (its figures are for `shapes.sizes` where some are symbolic)."""
     by_name = {u.name: u for u in layouts}
     progs = tuple(_program_schedule(programs[name], by_name) for name in PROGRAMS)
     schedule = Schedule(
         SCHEDULE_VERSION, stage, world_size, tuple(layouts), progs, fingerprint_of(progs, layouts, stage),
         tuple(u.name for u in layouts if u.name in persistent),
         prefetch_budget_bytes,
+        shapes,
     )
     validate(schedule)
     return schedule

@@ -7,12 +7,13 @@ schedule and never imports the compiler; the CLI records it as artifacts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch.fx as fx
 
 from fxzero.ir.layout import UnitLayout
 from fxzero.ir.program import Program
+from fxzero.ir.shapes import InputShapes
 from fxzero.ir.signature import JointSignature
 from fxzero.schedule.types import Schedule
 
@@ -32,3 +33,8 @@ class CompiledProgram:
     """One `fxzero.passes.runner.PassRecord` per pass, in order."""
     joint: fx.GraphModule
     """The rewritten joint graph, for viewing."""
+
+    @property
+    def shapes(self) -> Optional[InputShapes]:
+        """The input sizes the program serves (`Schedule.shapes`; the runtime checks each call's)."""
+        return self.schedule.shapes

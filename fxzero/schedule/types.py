@@ -14,6 +14,7 @@ from typing import Optional
 
 from fxzero.ir.instruction import COLLECTIVES, Instruction
 from fxzero.ir.layout import UnitLayout
+from fxzero.ir.shapes import InputShapes
 
 __all__ = ["SCHEDULE_VERSION", "Kept", "ProgramSchedule", "Schedule", "ScheduleError"]
 
@@ -99,6 +100,9 @@ class Schedule:
     """Units held whole for the whole step (ZeRO-1/2, or under the persistence threshold)."""
     prefetch_budget_bytes: Optional[int] = None
     """The prefetch pass's budget for gathered buffers alive at once (None: no prefetch)."""
+    shapes: Optional[InputShapes] = None
+    """The input sizes the schedule serves; where some are symbolic, the sizes its bytes, FLOPs
+    and timelines are evaluated at ([Note: any size, one program] in `fxzero/ir/shapes.py`)."""
 
     def program(self, name: str) -> ProgramSchedule:
         for p in self.programs:
@@ -140,6 +144,7 @@ class Schedule:
             "fingerprint": self.fingerprint,
             "persistent": list(self.persistent),
             "prefetch_budget_bytes": self.prefetch_budget_bytes,
+            "shapes": self.shapes.to_json() if self.shapes is not None else None,
         }
 
     def dumps(self) -> str:
@@ -161,6 +166,7 @@ class Schedule:
             d["fingerprint"],
             tuple(d.get("persistent", ())),
             d.get("prefetch_budget_bytes"),
+            InputShapes.from_json(d["shapes"]) if d.get("shapes") else None,
         )
 
     @classmethod

@@ -111,19 +111,23 @@ def test_modes_and_autocast_are_part_of_the_program():
 
 
 def test_new_shapes_retrace_once_and_the_bound_evicts():
+    """[Note: any size, one program]: the first length is traced at its size; the second, with the
+    length symbolic, and that program serves every later length (no third compile). The bound
+    on programs still evicts the least recently used."""
     model, _ = _gpt()
     engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None, program_cache_size=2))
     seen = []
-    for length in (8, 6, 8, 6):
+    for length in (8, 6, 8, 4, 7):
         x, y = make_gpt_batches(zoo.GPT_SIZES["tiny"], 1, 2, seed=length)[0]
         engine.backward(lm_loss(engine(x[:, :length]), y[:, :length]))
         engine.step()
         seen.append(engine.program)
-    assert seen[0] is seen[2] and seen[1] is seen[3] and seen[0] is not seen[1]
-    x, y = make_gpt_batches(zoo.GPT_SIZES["tiny"], 1, 2, seed=4)[0]
+    assert seen[0].shapes.shapes == ((2, 8),) and not seen[0].shapes.dynamic
+    assert seen[1].shapes.dynamic and seen[1].shapes.shapes[0][0] == 2 and isinstance(seen[1].shapes.shapes[0][1], str)
+    assert all(p is seen[1] for p in seen[1:]) and len(engine._cache) == 2
     with pytest.warns(UserWarning, match=r"3 programs exceed Config.program_cache_size=2: evicted the least recently"):
-        engine.backward(lm_loss(engine(x[:, :4]), y[:, :4]))
-    engine.step()
+        with torch.no_grad():  # a forward-only program: a third
+            engine(x[:, :5])
     assert len(engine._cache) == 2
 
 
