@@ -87,8 +87,10 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
     dist.init_process_group(backend, init_method=init_method, **kwargs)
 
 
-def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bool]:
-    """The Config, and whether it names an optimizer (a DeepSpeed "optimizer" section)."""
+def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bool, Optional[int]]:
+    """The Config; whether it names an optimizer (a DeepSpeed "optimizer" section with a type);
+    the ZeRO stage a DeepSpeed config asks for (0, DeepSpeed's default, runs as stage 1; None for
+    a fxzero.Config)."""
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -97,14 +99,16 @@ def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bo
         raise ValueError("fxzero.initialize needs a config: config=\"ds_config.json\", a dict, or a fxzero.Config "
                          "(or args.deepspeed_config)")
     if isinstance(config, Config):
-        return config, False  # (an optimizer passed replaces its default AdamW)
+        return config, False, None  # (an optimizer passed replaces its default AdamW)
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a DeepSpeed dict, a JSON file's path or a fxzero.Config, got "
                         f"{type(config).__name__}")
-    return Config.from_deepspeed(config), "optimizer" in config
+    cfg = Config.from_deepspeed(config)
+    asked = (config.get("zero_optimization") or {}).get("stage", 0)
+    return cfg, bool((config.get("optimizer") or {}).get("type")), int(asked) if isinstance(asked, int) else None
 
 
 def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPolicy, list[dict]]:
@@ -195,7 +199,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if config is None and config_params is None and getattr(args, "deepspeed_config", None) is None:
         record = getattr(model, "_fxzero_zero_init", None)  # the config zero.Init was given
         config = record.config if record is not None else None
-    cfg, names_optimizer = _read_config(args, config, config_params)
+    cfg, names_optimizer, asked_stage = _read_config(args, config, config_params)
     client: Optional[torch.optim.Optimizer] = None  # the client's torch optimizer, once built
     if optimizer is not None:
         if names_optimizer:
@@ -223,6 +227,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                             "optimizer you pass (StepLR(opt, 10)), or a callable taking the engine's optimizer "
                             "(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10))")
     engine.lr_scheduler = scheduler
+    if asked_stage == 0:
+        engine.deepspeed_stage = 0  # (run as stage 1: what zero_optimization_stage() reports, as DeepSpeed's)
     loader = None
     if training_data is not None:
         loader = ShardedDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),

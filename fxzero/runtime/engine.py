@@ -109,6 +109,8 @@ class Engine:
         self.training_dataloader: Any = None
         """The loader `fxzero.initialize` built (its position is saved in checkpoints), or None."""
         self._failed_load: Optional[str] = None
+        self.deepspeed_stage: Optional[int] = None
+        """The stage a DeepSpeed config asked for where fxzero runs another (0 runs as 1), else None."""
         self._no_sync = False  # inside engine.no_sync(): backwards keep their gradients unreduced
         self._step_applied = False
         mp = config.mixed_precision
@@ -468,7 +470,8 @@ class Engine:
         return self.control.grad_norm
 
     def zero_optimization_stage(self) -> int:
-        return self.config.stage
+        """The ZeRO stage, as the DeepSpeed config named it (0, plain data parallelism, runs as 1)."""
+        return self.deepspeed_stage if self.deepspeed_stage is not None else self.config.stage
 
     def fp16_enabled(self) -> bool:
         mp = self.config.mixed_precision

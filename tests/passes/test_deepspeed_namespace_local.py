@@ -89,3 +89,13 @@ def test_zero_init_disabled_builds_eagerly_and_unknown_options_are_named():
     assert not model.weight.is_meta
     with pytest.raises(ValueError, match=r"remote_device='gpu'\): one of None, 'cpu', 'nvme'"):
         fxzero.zero.Init(remote_device="gpu")
+
+
+def test_stage_0_is_reported_as_deepspeed_names_it():
+    model = nn.Linear(4, 4)
+    engine, *_ = fxzero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                        "optimizer": {"type": "Adam"}})
+    assert engine.zero_optimization_stage() == 0 and engine.config.stage == 1  # (run as ZeRO-1: the same update)
+    engine, *_ = fxzero.initialize(model=nn.Linear(4, 4), config={"train_micro_batch_size_per_gpu": 1,
+                                                                  "zero_optimization": {"stage": 2}})
+    assert engine.zero_optimization_stage() == 2
