@@ -25,7 +25,8 @@ from fxzero.runtime.checkpoint.reader import CheckpointReader
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.user_module import UserModule, binding_of
 
-__all__ = ["RepeatingLoader", "get_fp32_state_dict_from_zero_checkpoint", "log_dist", "logger",
+__all__ = ["RepeatingLoader", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+           "log_dist", "logger",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
 
@@ -112,15 +113,21 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     return grad.div_(scaler.scale) if scaler is not None else grad
 
 
+def _optimizer_state(param: torch.Tensor, key: str, what: str) -> tuple[UserModule, str, Any]:
+    """(binding, FQN, optimizer policy) of `param`, whose optimizer keeps the state `key`."""
+    binding, fqn = _bound(param, what)
+    policy = binding.engine.optimizer.policy
+    if key not in policy.states:
+        raise KeyError(f"{what}: {type(policy).__name__} keeps the states {list(policy.states)}, not {key!r}")
+    return binding, fqn, policy
+
+
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """The parameter's full optimizer state `optim_state_key` ("exp_avg", "exp_avg_sq", "sum", ...);
     None before the first step. A collective."""
-    binding, fqn = _bound(param, "safe_get_full_optimizer_state")
-    state, engine = binding.state, binding.engine
+    binding, fqn, _ = _optimizer_state(param, optim_state_key, "safe_get_full_optimizer_state")
+    state = binding.state
     layout, _ = binding.slot[fqn]
-    policy = engine.optimizer.policy
-    if optim_state_key not in policy.states:
-        raise KeyError(f"{type(policy).__name__} keeps the states {list(policy.states)}, not {optim_state_key!r}")
     if layout.name not in state.steps:
         return None
     if state.store is not None and state.store.offloaded(optim_state_key):
@@ -152,12 +159,9 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the parameter's optimizer state `optim_state_key` to `value` (the same on every rank)."""
-    binding, fqn = _bound(param, "safe_set_full_optimizer_state")
-    state, engine = binding.state, binding.engine
+    binding, fqn, policy = _optimizer_state(param, optim_state_key, "safe_set_full_optimizer_state")
+    state = binding.state
     layout, slot = binding.slot[fqn]
-    policy = engine.optimizer.policy
-    if optim_state_key not in policy.states:
-        raise KeyError(f"{type(policy).__name__} keeps the states {list(policy.states)}, not {optim_state_key!r}")
     lo, hi = layout.shard_range(binding.comm.rank)
     full = value.reshape(-1).to(layout.dtype)
     offloaded = state.store is not None and state.store.offloaded(optim_state_key)
@@ -180,6 +184,45 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     frozen = frozen if exclude_frozen_parameters else set()
     return {fqn: reader.read_tensor(fmt.param_key(fqn)).clone() for fqn, _, _ in reader.manifest["tensors"]
             if fqn not in frozen}
+
+
+@torch.no_grad()
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str,
+                                         tag: Optional[str] = None) -> torch.nn.Module:
+    """Load the fp32 weights of a checkpoint `engine.save_checkpoint` wrote into `model`, and return
+    it (DeepSpeed's zero_to_fp32 function of this name). Every parameter and persistent buffer
+    the checkpoint holds is copied into the module's tensors, cast to their dtype; the model stays
+    where it is (DeepSpeed moves it to the CPU first).
+
+    On an engine's module the values land where its parameters point (the compute-dtype copies,
+    or the full values inside `GatheredParameters`), not in the engine's fp32 masters: as under
+    DeepSpeed, the engine does not train from them (resume with `engine.load_checkpoint`).
+
+    Raises:
+        RuntimeError: a parameter of `model` is a ZeRO-3 placeholder (no value on this rank to
+            write into), or the checkpoint and the model name different tensors.
+    """
+    placeholders = [name for name, p in model.named_parameters() if p.is_meta]
+    if placeholders:
+        raise RuntimeError(f"load_state_dict_from_zero_checkpoint: {placeholders[:3]}{' ...' * (len(placeholders) > 3)} "
+                           "are sharded across the ranks (ZeRO-3 placeholders), with no value on this rank to load "
+                           "into; call it inside `with deepspeed.zero.GatheredParameters(model.parameters()):`, or "
+                           "load into a model built without the engine, or resume the engine with "
+                           "engine.load_checkpoint(...)")
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    result = model.load_state_dict(state_dict, strict=False)
+    # (a tied tensor is saved under its first name: its other names are loaded with it)
+    loaded = {id(t) for name, t in _named_tensors(model) if name in state_dict}
+    missing = [k for k in result.missing_keys if id(dict(_named_tensors(model)).get(k)) not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"load_state_dict_from_zero_checkpoint: the checkpoint in {checkpoint_dir} does not hold "
+                           f"this model's weights (missing: {missing[:5]}, unexpected: {result.unexpected_keys[:5]})")
+    return model
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `model` under each of its names (tied ones under each)."""
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
 class RepeatingLoader:
