@@ -102,9 +102,9 @@ class RankState:
         """This rank's shard of `unit`'s flat buffer, wherever it lives: the fp32 master, or with
         `compute` the copy in the compute dtype (the master itself in fp32)."""
         layout = self.layout(unit)
-        if compute and self.low and layout.dtype.is_floating_point:
-            if unit in self.offloaded_params:
-                return self.store.get("low", unit)
+        if compute and unit in self.offloaded_params and self.store.has("low", unit):
+            return self.store.get("low", unit)  # (mixed precision: the copy lives on the tier beside the master)
+        if compute and unit in self.low:
             low = self.low[unit]
             if unit in self.whole:
                 lo, hi = layout.shard_range(self.rank_of_shards)

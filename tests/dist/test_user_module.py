@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(420)
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (after the importorskip)
 
-CASES = [(1, None), (2, None), (3, None), (1, torch.bfloat16), (3, torch.bfloat16)]
+CASES = [(1, None), (2, None), (3, None), (1, torch.bfloat16), (3, torch.bfloat16), (3, "bf16-offloaded")]
+"""(stage, compute dtype): "bf16-offloaded" is bf16 with the parameter shards and optimizer states on the cpu tier."""
 STEPS = 5
 
 
@@ -35,6 +36,10 @@ def _gpt2():
                                           resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, use_cache=False))
 
 
+def _dtype(dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == "bf16-offloaded" else dtype or torch.float32
+
+
 def _batch(g: torch.Generator, rank: int) -> torch.Tensor:
     ids = torch.randint(0, 256, (4, 16), generator=g)
     return ids[2 * rank : 2 * rank + 2]
@@ -43,9 +48,10 @@ def _batch(g: torch.Generator, rank: int) -> torch.Tensor:
 def _case(rank: int, stage: int, dtype, root: str) -> dict:
     model = _gpt2()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    mp = fxzero.MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    offload = fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu()) if dtype == "bf16-offloaded" else fxzero.Offload()
+    mp = fxzero.MixedPrecision(param_dtype=_dtype(dtype)) if dtype is not None else None
     engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**ADAMW), cost_model=None,
-                                                 mixed_precision=mp))
+                                                 mixed_precision=mp, offload=offload))
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         ids = _batch(g, rank)
@@ -91,7 +97,7 @@ def runs(tmp_path_factory):
 def test_the_users_model_holds_the_trained_weights(runs, case):
     root, ranks = runs
     stage, dtype = CASES[case]
-    compute = dtype or torch.float32
+    compute = _dtype(dtype)
     for rank, result in enumerate(ranks):
         r = result[case]
         want = {k: v.to(compute) for k, v in r["masters"].items()}
@@ -113,7 +119,8 @@ def test_save_pretrained_writes_the_trained_weights_as_fxzero_export_does(runs, 
     root, ranks = runs
     stage, dtype = CASES[case]
     saved = load_file(os.path.join(root, f"pretrained-{stage}-{dtype}", "model.safetensors"))
-    export_checkpoint(os.path.join(root, f"ckpt-{stage}-{dtype}"), str(tmp_path), dtype=dtype)
+    export_checkpoint(os.path.join(root, f"ckpt-{stage}-{dtype}"), str(tmp_path),
+                      dtype=_dtype(dtype) if dtype is not None else None)
     exported = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert set(saved) == set(exported)
     for k in exported:
@@ -121,7 +128,7 @@ def test_save_pretrained_writes_the_trained_weights_as_fxzero_export_does(runs, 
     loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(root, f"pretrained-{stage}-{dtype}"))
     masters = ranks[0][case]["masters"]
     assert torch.equal(loaded.transformer.h[0].mlp.c_fc.weight, masters["transformer.h.0.mlp.c_fc.weight"].to(
-        dtype or torch.float32))
+        _dtype(dtype)))
 
 
 def test_direct_calls_use_the_trained_weights_or_refuse_at_stage_3(runs):
