@@ -25,6 +25,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "tests", "deepspeed_examples")
+sys.path.insert(0, EXAMPLES)
+from tokenizer import make_tokenizer  # noqa: E402  (tests/deepspeed_examples/tokenizer.py)
 
 RUNS: dict[str, dict] = {}
 """name -> {"script", "args", "nproc"}: what the test and this tool run."""
@@ -32,14 +34,25 @@ for _stage in (0, 1, 2, 3):
     for _dtype in ("fp32", "bf16"):
         for _nproc in (1, 2):
             RUNS[f"cifar-stage{_stage}-{_dtype}-{_nproc}"] = {
-                "script": "cifar10_deepspeed.py", "nproc": _nproc,
+                "script": "cifar10_deepspeed.py", "shims": "cifar", "nproc": _nproc,
                 "args": ["--epochs", "1", "--dtype", _dtype, "--stage", str(_stage), "--log-interval", "100"]}
 
 
-def environment(record_dir: str) -> dict[str, str]:
-    """What every rank of either system gets: the data shims, the recorder, the seed."""
+_HELLO = ["--num_iterations", "21", "--checkpoint_every", "10", "--log_every", "5", "--batch_size", "8",
+          "--num_layers", "2", "--num_heads", "4", "--ff_dim", "256", "--h_dim", "128", "--max_seq_length", "128",
+          "--dtype", "bf16"]
+"""HelloDeepSpeed's arguments: a 2-layer Roberta of width 128 (its 50,265-token vocabulary), 20 steps of
+micro-batch 8 padded to each batch's longest row (at most 128), a checkpoint at step 10 and 20."""
+for _nproc in (1, 2):
+    RUNS[f"hello-bf16-{_nproc}"] = {"script": "train_bert_ds.py", "shims": "hello", "nproc": _nproc,
+                                    "args": ["--checkpoint_dir", "{workdir}/ck", "--tokenizer", "{tokenizer}", *_HELLO]}
+    RUNS[f"hello-fixed-bf16-{_nproc}"] = {**RUNS[f"hello-bf16-{_nproc}"], "env": {"FXZERO_WIKITEXT_WORDS": "200"}}
+
+
+def environment(record_dir: str, shims: str) -> dict[str, str]:
+    """What every rank of either system gets: the script's data shims, the recorder, the seed."""
     env = dict(os.environ)
-    paths = [os.path.join(EXAMPLES, "shims"), os.path.join(EXAMPLES, "record")]
+    paths = [os.path.join(EXAMPLES, "shims", shims), os.path.join(EXAMPLES, "record")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(FXZERO_SEED="0", FXZERO_RECORD_LOSSES=record_dir, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return env
@@ -48,11 +61,14 @@ def environment(record_dir: str) -> dict[str, str]:
 def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict:
     """Run one script under `system` ("deepspeed" or "fxzero"); rank 0's recorded losses and times."""
     script = os.path.join(EXAMPLES, run["script"])
+    tokenizer = make_tokenizer(os.path.join(tempfile.gettempdir(), "fxzero-roberta-shaped-tokenizer"))
+    args = [a.format(workdir=workdir, tokenizer=tokenizer) for a in run["args"]]
+    env = {**environment(workdir, run["shims"]), **run.get("env", {})}
     if system == "fxzero":
         cmd = [python, "-m", "fxzero.cli", "run", f"--num_gpus={run['nproc']}", f"--master_port={port}"]
     else:
         cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={run['nproc']}", f"--master_port={port}"]
-    proc = subprocess.run([*cmd, script, *run["args"]], cwd=workdir, env=environment(workdir), capture_output=True,
+    proc = subprocess.run([*cmd, script, *args], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{system} {run['script']} {' '.join(run['args'])} failed:\n{proc.stdout[-3000:]}\n"
