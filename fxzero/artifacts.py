@@ -228,8 +228,8 @@ def _target_name(node: fx.Node) -> str:
 
 def _meta_shape(node: fx.Node) -> tuple[Optional[list[int]], Optional[str]]:
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return list(val.shape), str(val.dtype).removeprefix("torch.")
+    if isinstance(val, torch.Tensor):  # (a symbolic size, of a program serving every length, as its expression)
+        return [d if isinstance(d, int) else str(d) for d in val.shape], str(val.dtype).removeprefix("torch.")
     return None, None
 
 
