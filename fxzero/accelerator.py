@@ -13,11 +13,11 @@ counters are torch's no-op ones, so callers never branch on the device.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["Accelerator", "get_accelerator", "set_accelerator"]
+__all__ = ["TORCH_INFO", "Accelerator", "get_accelerator", "is_current_accelerator_supported", "set_accelerator"]
 
 
 class Accelerator:
@@ -47,16 +47,22 @@ class Accelerator:
         if self._name == "cuda":
             torch.cuda.set_device(device_index)
 
-    def current_device(self) -> int:
-        return torch.cuda.current_device() if self._name == "cuda" else 0
+    def current_device(self) -> Union[int, torch.device]:
+        """CUDA: the current GPU's index. CPU: the CPU device itself, since DeepSpeed's code and
+        scripts pass this as `device=` (`torch.tensor(x, device=get_accelerator().current_device())`),
+        where an index would name an accelerator this machine does not have."""
+        return torch.cuda.current_device() if self._name == "cuda" else torch.device("cpu")
 
     def current_device_name(self) -> str:
         return self.device_name(self.current_device()) if self._name == "cuda" else "cpu"
 
     def device_count(self) -> int:
+        """CUDA: the GPUs torch sees. CPU: the ranks on this node, as DeepSpeed's CPU accelerator
+        counts them (its launcher's LOCAL_SIZE, which harnesses that start ranks themselves set),
+        else torchrun's LOCAL_WORLD_SIZE, else 1."""
         if self._name == "cuda":
             return torch.cuda.device_count()
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (DeepSpeed's CPU accelerator: ranks on this node)
+        return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
 
     def is_available(self) -> bool:
         return self._name == "cpu" or torch.cuda.is_available()
@@ -196,6 +202,26 @@ class Accelerator:
 
 
 _ACCELERATOR: Optional[Accelerator] = None
+_SUPPORTED = ("cuda", "cpu")
+
+
+def _torch_info() -> dict[str, Any]:
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() and torch.version.cuda else None
+    return {"version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
+            "bf16_support": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+            "cuda_version": ".".join(torch.version.cuda.split(".")[:2]) if torch.version.cuda else "0.0",
+            "nccl_version": ".".join(map(str, nccl[:2])) if nccl else "0.0",
+            "hip_version": ".".join(torch.version.hip.split(".")[:2]) if torch.version.hip else "0.0"}
+
+
+def __getattr__(name: str) -> Any:
+    """`TORCH_INFO`: the torch this process runs, as DeepSpeed's `deepspeed.git_version_info.torch_info`
+    records the one it was built with (major.minor of torch, CUDA, NCCL, HIP, "0.0" for none, and
+    whether CUDA supports bf16); read on first use, since asking CUDA starts its driver."""
+    if name == "TORCH_INFO":
+        globals()[name] = _torch_info()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_accelerator() -> Accelerator:
@@ -206,6 +232,11 @@ def get_accelerator() -> Accelerator:
         name = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
         _ACCELERATOR = Accelerator(name)
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one fxzero runs on (CUDA or the CPU: always, once built)."""
+    return get_accelerator()._name in _SUPPORTED
 
 
 def set_accelerator(accelerator: Accelerator) -> None:

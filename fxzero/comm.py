@@ -55,8 +55,35 @@ broadcast = _collective(_dist.broadcast)
 broadcast_object_list = _collective(_dist.broadcast_object_list)
 all_gather = _collective(_dist.all_gather)
 all_gather_object = _collective(_dist.all_gather_object)
-all_gather_into_tensor = _collective(_dist.all_gather_into_tensor)
-reduce_scatter_tensor = _collective(_dist.reduce_scatter_tensor)
+
+
+def _flat_when_counts_agree(big: torch.Tensor, small: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """NCCL's rule for the tensor collectives on every backend: only the element counts must agree
+    (the big tensor world times the small), whatever the shapes; gloo also wants the big one to be
+    the small ones stacked along dim 0, so give it both flat (views: the result lands in place)."""
+    world = _dist.get_world_size(group)
+    if big.is_contiguous() and big.numel() == world * small.numel() and (
+            big.dim() == 0 or small.dim() == 0 or big.shape[1:] != small.shape[1:] or big.shape[0] != world * small.shape[0]):
+        return big.view(-1), small.reshape(-1)
+    return big, small
+
+
+@_collective
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False) -> Any:
+    """torch.distributed's, taking any shapes whose element counts agree, as NCCL does."""
+    output_tensor, input_tensor = _flat_when_counts_agree(output_tensor, input_tensor, group)
+    return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+@_collective
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = _dist.ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Any:
+    """torch.distributed's, taking any shapes whose element counts agree, as NCCL does."""
+    input, output = _flat_when_counts_agree(input, output, group)
+    return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
 reduce_scatter = _collective(_dist.reduce_scatter)
 all_reduce = _collective(_dist.all_reduce)
 reduce = _collective(_dist.reduce)

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from fxzero.api import compile as compile_engine
 from fxzero.config import OPTIMIZERS, Adagrad, Adam, AdamW, Config, OptimizerPolicy
+from fxzero.config.notices import warn_ineffective
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
 
@@ -202,15 +203,18 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     cfg, names_optimizer, asked_stage = _read_config(args, config, config_params)
     client: Optional[torch.optim.Optimizer] = None  # the client's torch optimizer, once built
     if optimizer is not None:
-        if names_optimizer:
-            raise ValueError("an optimizer is passed and the config has an \"optimizer\" section: give one of them")
+        if names_optimizer:  # (DeepSpeed uses the client's, and reads the section for nothing)
+            warn_ineffective(["the DeepSpeed config's \"optimizer\" section has no effect: an optimizer was passed to "
+                              "initialize, and it is the one trained with, as under DeepSpeed; drop one of them"])
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
         policy, model_parameters = _from_torch_optimizer(optimizer)
         cfg = dataclasses.replace(cfg, optimizer=policy)
         client = optimizer
-    if lr_scheduler is not None and cfg.lr_schedule is not None:
-        raise ValueError("an lr_scheduler is passed and the config has a \"scheduler\" section: give one of them")
+    if lr_scheduler is not None and cfg.lr_schedule is not None:  # (DeepSpeed: the client's, too)
+        warn_ineffective(["the DeepSpeed config's \"scheduler\" section has no effect: an lr_scheduler was passed to "
+                          "initialize, and it is the one stepped, as under DeepSpeed; drop one of them"])
+        cfg = dataclasses.replace(cfg, lr_schedule=None)
     init_distributed()
     engine = compile_engine(model, cfg, model_parameters=model_parameters)
     if client is not None:  # one set of param group dicts ([Note: a client's optimizer and scheduler])

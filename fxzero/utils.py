@@ -199,16 +199,16 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     DeepSpeed, the engine does not train from them (resume with `engine.load_checkpoint`).
 
     Raises:
-        RuntimeError: a parameter of `model` is a ZeRO-3 placeholder (no value on this rank to
-            write into), or the checkpoint and the model name different tensors.
+        RuntimeError: a parameter of `model` has no value on this rank to write into (a ZeRO-3
+            placeholder), or the checkpoint and the model name different tensors.
     """
     placeholders = [name for name, p in model.named_parameters() if p.is_meta]
     if placeholders:
         raise RuntimeError(f"load_state_dict_from_zero_checkpoint: {placeholders[:3]}{' ...' * (len(placeholders) > 3)} "
-                           "are sharded across the ranks (ZeRO-3 placeholders), with no value on this rank to load "
-                           "into; call it inside `with deepspeed.zero.GatheredParameters(model.parameters()):`, or "
-                           "load into a model built without the engine, or resume the engine with "
-                           "engine.load_checkpoint(...)")
+                           "have no value on this rank to load into (on the meta device: an engine's ZeRO-3 placeholders, "
+                           "or a model built under zero.Init before initialize); call it inside `with "
+                           "deepspeed.zero.GatheredParameters(model.parameters()):` on an engine's module, or load into "
+                           "a model built without zero.Init, or resume the engine with engine.load_checkpoint(...)")
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     result = model.load_state_dict(state_dict, strict=False)
     # (a tied tensor is saved under its first name: its other names are loaded with it)
@@ -223,6 +223,16 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of `model` under each of its names (tied ones under each)."""
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def __getattr__(name: str) -> Any:
+    """`deepspeed.utils.zero_to_fp32` and the like: under the DeepSpeed alias this module is
+    `deepspeed.utils`, and the alias's modules below it are its attributes ([Note: DeepSpeed's
+    deeper names] in `fxzero/deepspeed_alias.py`)."""
+    module = sys.modules.get(f"deepspeed.utils.{name}")
+    if module is None or sys.modules.get("deepspeed") is not sys.modules.get("fxzero"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return module
 
 
 class RepeatingLoader:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -33,7 +34,8 @@ from fxzero.config.notices import warn_ineffective
 from fxzero.runtime.init_replay import initial_values
 from fxzero.runtime.user_module import binding_of
 
-__all__ = ["GatheredParameters", "Init", "InitRecord", "init_record", "register_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "InitRecord", "ZeRORuntimeException", "ZeroParamStatus", "init_record",
+           "param_status", "register_external_parameter"]
 
 _RECORD = "_fxzero_zero_init"
 """The attribute a module built under `Init` carries: its `InitRecord`."""
@@ -131,6 +133,32 @@ class Init:
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """DeepSpeed needs this for a parameter used outside its module's forward; fxzero traces the
     whole forward, so every use is seen: nothing to do."""
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's name for where a ZeRO parameter's value is (`param_status`)."""
+
+    AVAILABLE = 1
+    """This rank holds its whole value (ZeRO-1/2, a persistent unit, or inside GatheredParameters)."""
+    NOT_AVAILABLE = 2
+    """Sharded: a placeholder on this rank ([Note: the user's module])."""
+    INFLIGHT = 3
+    """Being gathered. fxzero's gathers run inside its programs, never on the user's parameters,
+    so `param_status` never answers it."""
+
+
+def param_status(param: torch.Tensor) -> ZeroParamStatus:
+    """Whether this rank holds `param`'s value now (DeepSpeed keeps it as `param.ds_status`): not for a
+    ZeRO-3 placeholder, nor for a parameter of a model built under `Init` before `initialize`."""
+    return ZeroParamStatus.NOT_AVAILABLE if param.is_meta else ZeroParamStatus.AVAILABLE
+
+
+class ZeRORuntimeException(Exception):
+    """DeepSpeed's exception for two refusals fxzero does not share, so it raises it nowhere: a
+    client optimizer with ZeRO-Offload under `zero_force_ds_cpu_optimizer` (fxzero runs its own
+    update of the client's optimizer on whatever tier the states live) and a checkpoint from
+    another data-parallel world size (fxzero re-slices it). A script's `except` clause for it
+    keeps working."""
 
 
 def _flat(params: Any) -> list[torch.Tensor]:

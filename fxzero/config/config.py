@@ -88,6 +88,11 @@ class Config:
     overflowing gradients always skip, and back off the loss scale): "error" raises on every
     rank naming the step and the first unit whose gradient is not finite; "skip" warns so and
     skips the update on every rank (counted in `engine.skipped_steps`)."""
+    gradient_reduction: Literal["mean", "sum"] = "mean"
+    """How each gradient is combined over the ranks: "mean" (the average, as DDP, FSDP and
+    DeepSpeed's default) or "sum" (DeepSpeed's `gradient_allreduce_op: "sum"`: world size times
+    the average; each rank's backward is run with its output gradients times the world size
+    before the averaging reduction, exact for a power-of-two world)."""
     gradient_clipping: Optional[float] = None
     """Clip the gradient's global norm (over all ranks' shards) to this before each update, as
     torch.nn.utils.clip_grad_norm_ (DeepSpeed's gradient_clipping); None: no clipping."""
@@ -161,6 +166,8 @@ class Config:
         if self.gradient_accumulation not in ("sharded", "local"):
             raise ValueError(f"Config.gradient_accumulation must be \"sharded\" or \"local\", got "
                              f"{self.gradient_accumulation!r}")
+        if self.gradient_reduction not in ("mean", "sum"):
+            raise ValueError(f"Config.gradient_reduction must be \"mean\" or \"sum\", got {self.gradient_reduction!r}")
         if self.nonfinite not in ("error", "skip"):
             raise ValueError(f"Config.nonfinite must be \"error\" or \"skip\", got {self.nonfinite!r}")
         if self.steps_per_print is not None and not (isinstance(self.steps_per_print, int) and self.steps_per_print >= 1):

@@ -322,6 +322,13 @@ def _gradient_scaling(get: Any, notes: list[str]) -> None:
                      "after the sum rounds alike)")
 
 
+def _reduction(get: Any) -> str:
+    op = get("gradient_allreduce_op")
+    if op not in ("mean", "sum"):
+        raise ValueError(f"DeepSpeed config: gradient_allreduce_op must be \"mean\" or \"sum\", got {op!r}")
+    return op
+
+
 def _given_stage(ds: dict[str, Any]) -> bool:
     return "stage" in (ds.get("zero_optimization") or {})
 
@@ -372,6 +379,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         train_micro_batch_size_per_gpu=_int_or_none(get, "train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),
         gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
+        gradient_reduction=_reduction(get),
         steps_per_print=_int_or_none(get, "steps_per_print"),
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(get("dataloader_drop_last")),

@@ -186,7 +186,9 @@ KEYS: dict[str, Key] = {
     "gradient_predivide_factor": _used("f != 1: DeepSpeed divides by f before the sum and by world/f after, fxzero "
                                        "by the world after: the same average, reduced in fp32 under fp16 as for "
                                        "prescale_gradients (said once)"),
-    "gradient_allreduce_op": _off("fxzero averages gradients (\"mean\")", honoured="mean"),
+    "gradient_allreduce_op": _used("Config.gradient_reduction: \"mean\" (DeepSpeed's default) averages the "
+                                   "gradients over ranks, \"sum\" sums them (at every stage; DeepSpeed refuses "
+                                   "it at stage 3)"),
     "fp32_allreduce": _none("DeepSpeed 0.19 does not read it either: communication_data_type sets the dtype "
                             "gradients are reduced in"),
     "sparse_gradients": _off("sparse gradient compression of embeddings (removed from DeepSpeed 0.19 too): fxzero "

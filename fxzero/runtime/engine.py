@@ -36,7 +36,7 @@ from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
-from fxzero.runtime.requires_grad import RequiresGradWatch
+from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import optim_step
 from fxzero.runtime.state import RankState
@@ -45,7 +45,7 @@ from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
 
-__all__ = ["Engine", "Runners"]
+__all__ = ["DeepSpeedEngine", "Engine", "Runners"]
 
 Compiler = Callable[[tuple, dict, bool], CompiledProgram]
 """Compiles the program of one call, `(args, kwargs, forward_only)` (`fxzero.compiler.compile_program`, bound)."""
@@ -118,6 +118,7 @@ class Engine:
                                 timeout=config.collective_timeout)
         """Keeps the user's module a view of what this engine trains ([Note: the user's module])."""
         self._requires_grad = RequiresGradWatch(model, state.layouts)  # ([Note: requires_grad after compile])
+        self._window = GradWindow()  # what no backward of this accumulation gave a gradient: the update skips it
         self._user.engine = self
 
     # -- programs --------------------------------------------------------------------------
@@ -270,7 +271,7 @@ class Engine:
             raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
                                "build a new engine (fxzero.compile) and load a good checkpoint")
         leaves, spec = flatten_call(args, kwargs)
-        if self._requires_grad.changed(self.rank, self.control.global_steps, bool(self.state.grads or self._unreduced)):
+        if self._requires_grad.changed(self.rank):
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
         runners = self._runners_for(args, kwargs, leaves, spec)
         self._agree(runners)
@@ -308,7 +309,11 @@ class Engine:
     def _run_backward(self, runners: Runners, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
         program = runners.compiled.programs["backward"]
         saved_names = [key for kind, key in program.inputs if kind == "saved"]
+        if self.config.gradient_reduction == "sum" and self.world_size > 1:
+            # The programs average over the ranks; world times each rank's contribution averages to the sum.
+            grad_outputs = [g * self.world_size for g in grad_outputs]
         values = {"saved": dict(zip(saved_names, saved)), "grad_output": grad_outputs}
+        self._window.backward(frozenset(runners.compiled.signature.gradless_fqns))
         env = self._bind(runners.backward, program, values)
         # From here the program's environment holds the only references to the activations,
         # so each is freed right after its last use in the backward.
@@ -379,6 +384,8 @@ class Engine:
             grad = grad.to(param.dtype)
         if self.control.multiplier != 1.0:  # float16's unscaling, the clip coefficient
             grad = grad.mul(self.control.multiplier)
+        if self._window.gradless is not None:  # (torch's: what any backward of the accumulation gave a gradient)
+            gradless = self._window.gradless
         key = (ins.unit, gradless)
         if key not in self._ranges:
             self._ranges[key] = layout.grouped_shard_ranges(self.rank, self._group_of, skip=gradless)
@@ -421,6 +428,8 @@ class Engine:
         self._step_applied = update
         if update:
             runner.run(self._bind(runner, self._stepping.compiled.programs["step"], {}), self._record)
+            self._requires_grad.stepped(self._window.gradless or frozenset())
+        self._window.reset()
         grads.clear()
         self._user.bind()  # (the step updated in place: only a unit whose storage moved is rebound)
         self.control.stepped(self.optimizer, skipped=not update)
@@ -556,6 +565,7 @@ class Engine:
         self.state.settle_grads()
         self.state.grads.clear()
         self._unreduced.clear()
+        self._window.reset()
 
     # -- recording, state and reports --------------------------------------------------------
 
@@ -635,3 +645,8 @@ class Engine:
         self.state.settle_grads()
         if self.store is not None:
             self.store.close()
+
+
+DeepSpeedEngine = Engine
+"""DeepSpeed's name for it: `deepspeed.runtime.engine` is this module under `fxzero run`
+([Note: DeepSpeed's deeper names] in `fxzero/deepspeed_alias.py`)."""

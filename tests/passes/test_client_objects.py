@@ -261,12 +261,44 @@ def test_a_change_that_cannot_be_exact_is_refused_naming_the_parameter():
     with pytest.raises(RuntimeError, match=r"parameters \['blocks.1.bias'\] require grad again after optimizer steps "
                                            r"that skipped them"):
         engine(x)
-    # In the middle of an accumulation: refused.
+
+
+def _unbalanced(model: nn.Module, i: int) -> None:
+    """Micro-step i's frozen set: blocks.0.weight on even ones, head.bias on odd ones, and
+    blocks.1.bias through micro-steps 2 and 3 (a whole accumulation)."""
+    model.blocks[0].weight.requires_grad_(i % 2 == 1)
+    model.head.bias.requires_grad_(i % 2 == 0)
+    model.blocks[1].bias.requires_grad_(i not in (2, 3))
+
+
+def test_requires_grad_changed_inside_an_accumulation_updates_as_torch():
+    """DeepSpeed's unbalanced gradients (its TestZeroUnbalancedGradients, with values): each
+    micro-step of an accumulation of 2 freezes another parameter. At the boundary a parameter is
+    updated with what the micro-steps that gave it a gradient gave, as torch's .grad accumulates,
+    and one that none gave a gradient (blocks.1.bias in the second accumulation) is left as it is;
+    unfreezing it after that step is refused, the others' changes are exact."""
+    batches = _batches(4)
+    reference = _net()
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.05, foreach=False)
+    for i, (x, y) in enumerate(batches):
+        _unbalanced(reference, i)
+        (F.cross_entropy(reference(x), y) / 2).backward()
+        if i % 2 == 1:
+            torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], 0.5)
+            opt.step()
+            opt.zero_grad()
     model = _net()
     engine = _adamw_engine(model, accumulation=2)
-    engine.backward(F.cross_entropy(engine(x), y))
-    engine.step()  # (not a boundary: the gradients are held)
-    model.blocks[0].weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"requires_grad of \['blocks.0.weight'\] changed in the middle of a "
-                                           r"gradient accumulation"):
-        engine(x)
+    for i, (x, y) in enumerate(batches):
+        _unbalanced(model, i)
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        if i == 1:
+            after_first = engine.full_state_dict()["blocks.1.bias"]
+    _assert_trained_alike(engine, reference)
+    assert torch.equal(engine.full_state_dict()["blocks.1.bias"], after_first)
+    model.blocks[1].bias.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"parameters \['blocks.1.bias'\] require grad again after optimizer steps "
+                                           r"that skipped them"):
+        engine(batches[0][0])
+

@@ -119,7 +119,7 @@ def test_adam_is_adamw_unless_adam_w_mode_is_false():
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True, "bias_correction": False}}},
      r"amsgrad=True, bias_correction=False"),
     ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
-    ({"gradient_allreduce_op": "sum"}, r"gradient_allreduce_op=\"sum\" is not supported"),
+    ({"gradient_allreduce_op": "avg"}, r"gradient_allreduce_op must be \"mean\" or \"sum\", got 'avg'"),
     ({"bf16": {"enabled": True}, "communication_data_type": "fp16"}, r"\"communication_data_type\" 'fp16' with "
                                                                      r"bfloat16 compute: fxzero reduces"),
     ({"communication_data_type": "bf16"}, r"'bf16' without a \"bf16\" or \"fp16\" section enabled"),

@@ -91,8 +91,11 @@ def test_a_torch_optimizer_is_read_into_the_sharded_one():
     adam = torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.1)
     assert type(fxzero.initialize(model=_model(), optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
                                   config=ds)[0].config.optimizer) is fxzero.Adam
-    with pytest.raises(ValueError, match=r"an optimizer is passed and the config has an \"optimizer\" section"):
-        fxzero.initialize(model=model, optimizer=adam, config=DS)
+    # Both: the client's optimizer, as DeepSpeed (its test_zero.py TestZeroToFP32 passes both), said once.
+    with pytest.warns(IneffectiveSetting, match=r"config's \"optimizer\" section has no effect: an optimizer was "
+                                                r"passed to initialize, and it is the one trained with"):
+        engine = fxzero.initialize(model=model, optimizer=adam, config=DS)[0]
+    assert engine.config.optimizer == fxzero.Adam(lr=0.1, weight_decay=0.1)
     assert fxzero.initialize(model=_model(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9,
                                                                                   nesterov=True),
                              config=ds)[0].config.optimizer == fxzero.SGD(lr=0.1, momentum=0.9, nesterov=True)
@@ -112,8 +115,11 @@ def test_schedulers_from_the_config_or_a_callable():
     step = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # noqa: E731
     engine, _, _, scheduler = fxzero.initialize(model=_model(), config=DS, lr_scheduler=step)
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.optimizer is engine.optimizer
-    with pytest.raises(ValueError, match=r"lr_scheduler is passed and the config has a \"scheduler\" section"):
-        fxzero.initialize(model=_model(), config=ds, lr_scheduler=step)
+    with pytest.warns(IneffectiveSetting, match=r"config's \"scheduler\" section has no effect: an lr_scheduler was "
+                                                r"passed to initialize"):
+        engine, _, _, scheduler = fxzero.initialize(model=_model(), config=ds, lr_scheduler=step)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and engine.config.lr_schedule is None
+    assert engine.get_lr() == [0.01]  # (the config's WarmupLR would start at 0)
     # A scheduler object must be built on the optimizer passed (a schedule of another optimizer
     # would reach nothing fxzero trains with): tests/passes/test_client_objects.py.
     with pytest.raises(ValueError, match=r"lr_scheduler \(StepLR\) was built on a ShardedOptimizer that is not"):

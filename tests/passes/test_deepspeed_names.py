@@ -1,0 +1,134 @@
+"""DeepSpeed's deeper names on fxzero, one process: each entry of the alias's `NAMES` table is the
+fxzero object it says (`from deepspeed.runtime.engine import DeepSpeedEngine` is `fxzero.Engine`),
+and the small objects behind it do what DeepSpeed's do: `load_state_dict_from_zero_checkpoint`,
+`ZeroParamStatus`, `torch_info`, `deepspeed.pipe`, the CPU accelerator's device count and
+current device. DeepSpeed's own test_zero.py runs on them in tests/dist/test_deepspeed_unit_tests.py."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxzero
+from fxzero.accelerator import TORCH_INFO, Accelerator
+from fxzero.deepspeed_alias import NAMES
+from fxzero.pipe import LayerSpec, PipelineModule
+from fxzero.utils import load_state_dict_from_zero_checkpoint
+from fxzero.zero import ZeroParamStatus, param_status
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::fxzero.config.notices.IneffectiveSetting")]
+
+_IMPORTS = """
+from fxzero.deepspeed_alias import NAMES, install
+install()
+import importlib, sys, fxzero
+for module, names in NAMES.items():
+    for name, target in names.items():
+        got = getattr(importlib.import_module("deepspeed." + module), name)
+        where, _, attr = target.partition(":")
+        assert got is getattr(importlib.import_module(where), attr), (module, name)
+        exec(f"from deepspeed.{module} import {name} as imported")
+        assert imported is got
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, GatheredParameters
+assert DeepSpeedEngine is fxzero.Engine and GatheredParameters is fxzero.zero.GatheredParameters
+# every way of importing reaches the same objects, attribute chains through fxzero's modules too
+import deepspeed.runtime.zero.utils as zu
+import deepspeed.utils.zero_to_fp32 as z2f
+import deepspeed.runtime.engine as eng
+import deepspeed.git_version_info
+assert zu.ZeRORuntimeException is fxzero.zero.ZeRORuntimeException and eng is sys.modules["fxzero.runtime.engine"]
+assert deepspeed.runtime.zero.partition_parameters.ZeroParamStatus is ZeroParamStatus
+assert deepspeed.utils.zero_to_fp32 is z2f and deepspeed.git_version_info.torch_info["version"]
+try:
+    from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
+except ImportError as e:
+    print("name:", e)
+try:
+    import deepspeed.runtime.config
+except ImportError as e:
+    print("module:", e)
+"""
+
+
+def test_every_deepspeed_name_is_the_fxzero_object_it_says():
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "name: cannot import name 'is_zero_supported_optimizer' from 'deepspeed.runtime.zero.utils'" in proc.stdout
+    assert "deepspeed_alias.py" in proc.stdout  # (where the names it has are listed)
+    assert "module: No module named 'deepspeed.runtime.config': under fxzero" in proc.stdout
+    assert "deepspeed.runtime.zero.partition_parameters" in proc.stdout  # (what it has, named)
+
+
+def test_the_table_names_only_objects_that_exist():
+    for names in NAMES.values():
+        for target in names.values():
+            where, _, attr = target.partition(":")
+            assert hasattr(importlib.import_module(where), attr), target
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 3)])
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * self.scale
+        return x
+
+
+DS = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+      "zero_optimization": {"stage": 3}}
+
+
+def test_load_state_dict_from_zero_checkpoint_loads_the_trained_fp32_weights(tmp_path):
+    torch.manual_seed(0)
+    engine, *_ = fxzero.initialize(model=Net(), config=DS)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        engine.backward(F.cross_entropy(engine(torch.randn(4, 6, generator=g)), torch.randint(0, 3, (4,), generator=g)))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    trained = engine.full_state_dict()
+    torch.manual_seed(5)
+    fresh = Net()
+    assert load_state_dict_from_zero_checkpoint(fresh, str(tmp_path)) is fresh
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    assert not torch.equal(trained["layers.0.weight"], Net().layers[0].weight)  # (training moved it)
+    with fxzero.zero.Init(config_dict_or_path=DS):
+        placeholders = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    assert param_status(placeholders[0].weight) is ZeroParamStatus.NOT_AVAILABLE
+    assert param_status(fresh.layers[0].weight) is ZeroParamStatus.AVAILABLE
+    with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias', '1.weight'\] \.\.\. have no value on this rank "
+                                           r"to load into .*zero.GatheredParameters"):
+        load_state_dict_from_zero_checkpoint(placeholders, str(tmp_path))
+    other = nn.Sequential(nn.Linear(6, 6))
+    with pytest.raises(RuntimeError, match=r"does not hold this model's weights \(missing: \['0.weight', '0.bias'\], "
+                                           r"unexpected: \['layers.0.weight'"):
+        load_state_dict_from_zero_checkpoint(other, str(tmp_path))
+
+
+def test_torch_info_the_cpu_accelerator_and_the_pipeline_refusal(monkeypatch):
+    assert TORCH_INFO["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert TORCH_INFO["cuda_version"] == ("0.0" if torch.version.cuda is None else TORCH_INFO["cuda_version"])
+    cpu = Accelerator("cpu")
+    # DeepSpeed's CPU accelerator counts LOCAL_SIZE (its launcher's, and its test harness's), else torchrun's
+    monkeypatch.setenv("LOCAL_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu.device_count() == 3
+    monkeypatch.delenv("LOCAL_SIZE")
+    assert cpu.device_count() == 2
+    # what DeepSpeed's code passes as device= works on the CPU
+    assert torch.zeros(1, device=cpu.current_device()).device.type == "cpu"
+    assert isinstance(LayerSpec(nn.Linear, 4, 2, bias=False).build(), nn.Linear)
+    with pytest.raises(NotImplementedError, match="fxzero has no pipeline parallelism"):
+        PipelineModule(layers=[LayerSpec(nn.Linear, 4, 4)])
