@@ -110,3 +110,24 @@ def where_fixed(shape_env, source: str):
                 return str(where).strip("()") if where is not None else "an unknown place"
             symbol = target
     return None
+
+
+def all_gather_single(out, shard, *, group, async_op: bool):
+    """Every rank's `shard` gathered into the flat `out`: `dist.all_gather_single` where torch has
+    it (2.13), `dist.all_gather_into_tensor` before (2.11, 2.12: the same collective, older name)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out, flat, *, op, group, async_op: bool):
+    """`flat` reduced over ranks, this rank's slice into `out`: `dist.reduce_scatter_single` where
+    torch has it (2.13), `dist.reduce_scatter_tensor` before (2.11, 2.12)."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, flat, op=op, group=group, async_op=async_op)
+
+
+__all__ += ["all_gather_single", "reduce_scatter_single"]

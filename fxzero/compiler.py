@@ -18,6 +18,7 @@ from fxzero.passes import build_pipeline
 from fxzero.passes.runner import PassContext, run_pipeline
 from fxzero.schedule import build_schedule
 from fxzero.schedule.compiled import CompiledProgram
+from fxzero.target_device import target_device
 from fxzero.trace import trace_joint
 from fxzero.ir.layout import UnitLayout
 from fxzero.units import bucket_units, persistent_units, plan_units
@@ -29,12 +30,14 @@ def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=N
                  frozen: frozenset[str] = frozenset()) -> list[UnitLayout]:
     """Units (by the config's policy), then buckets of small units where the config asks.
 
-    With mixed precision a unit's layout dtype is its masters', fp32, whatever the model's.
+    With mixed precision a unit's layout dtype is its masters' (`MixedPrecision.master_dtype`: fp32
+    by default), whatever the model's.
     `frozen`: parameters planned frozen although they require grad (in no param group).
     """
     layouts = plan_units(model, config.units, world_size, frozen=frozen)
     if config.mixed_precision is not None:
-        layouts = [dataclasses.replace(lay, dtype=torch.float32) if lay.dtype.is_floating_point else lay
+        master = config.mixed_precision.master_dtype
+        layouts = [dataclasses.replace(lay, dtype=master) if lay.dtype.is_floating_point else lay
                    for lay in layouts]
     if config.bucket is None:
         return layouts
@@ -59,6 +62,7 @@ def compile_program(
     cost_model=None,
     kwargs: Mapping[str, Any] | None = None,
     forward_only: bool = False,
+    device: Any = "cpu",
 ) -> CompiledProgram:
     """Trace `model(*example_inputs, **kwargs)` (tensors give shapes and dtypes; other arguments
     are constants of the program) and schedule it for `world_size` ranks.
@@ -69,6 +73,9 @@ def compile_program(
         forward_only: the program of a forward under `torch.no_grad()`: traced without the
             backward, every unit compiled as frozen (gathered, computed with, freed; nothing kept
             for a backward, no reduce-scatter, no update), so it costs forward memory only.
+        device: the device type the program runs on ("cpu" or "cuda"): its kernels and the
+            tensors it creates are that device's, whatever machine compiles it
+            ([Note: tracing for a device] in `fxzero/target_device.py`).
     """
     if layouts is None:
         layouts = plan_layouts(model, config, world_size, cost_model)
@@ -76,7 +83,7 @@ def compile_program(
         layouts = [dataclasses.replace(layout, trainable=False) for layout in layouts]
     mp = config.mixed_precision
     traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
-                         forward_only=forward_only,
+                         forward_only=forward_only, device=device,
                          trainable={s.fqn for lay in layouts if lay.trainable for s in lay.slots})
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
@@ -84,5 +91,6 @@ def compile_program(
         ctx.programs, layouts, stage=config.stage, world_size=world_size,
         persistent=persistent_units(config, layouts),
         prefetch_budget_bytes=ctx.outputs.get("prefetch_budget_bytes"), shapes=traced.shapes,
+        device=target_device(device).type,
     )
     return CompiledProgram(traced.signature, layouts, ctx.programs, schedule, records, joint)

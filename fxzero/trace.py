@@ -61,6 +61,7 @@ from fxzero._compat import (
     where_fixed,
 )
 from fxzero.ir.shapes import InputShapes
+from fxzero.target_device import TargetKernels, check_no_cpu_kernels, retarget
 from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 from fxzero.ir.sizes import concrete, register_sizes
 
@@ -205,7 +206,7 @@ def _constant(x: Any) -> bool:
 
 def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Optional[Mapping[str, Any]] = None,
                 param_dtype: Optional[torch.dtype] = None, forward_only: bool = False,
-                trainable: Optional[Collection[str]] = None) -> TracedJoint:
+                trainable: Optional[Collection[str]] = None, device: Any = "cpu") -> TracedJoint:
     """Trace the joint forward+backward graph of `model` called as `model(*example_inputs, **kwargs)`.
 
     The call's tensor leaves are the graph's inputs; its other leaves (bools, ints, strings,
@@ -225,6 +226,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             trainable, no output needs a gradient, so the graph has no backward.
         trainable: the parameters the units train (None: those that require grad); one of them
             that no longer requires grad gets no gradient (`gradless_fqns`), as torch leaves it.
+        device: the device the program runs on: its kernels and allocations are that device's,
+            traced on fake CPU tensors ([Note: tracing for a device] in `fxzero/target_device.py`).
 
     Raises:
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
@@ -293,7 +296,9 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     # decomposed there into ones that keep sizes symbolic, where the fake mode alone would
     # specialize them to the example's.
     fp, fb, fi = fresh_args()
-    with mode, torch.enable_grad(), _explains_data_dependence(shape_env), shape_env.ignore_fresh_unbacked_symbols():
+    kernels = TargetKernels(device)
+    with kernels, mode, torch.enable_grad(), _explains_data_dependence(shape_env), \
+            shape_env.ignore_fresh_unbacked_symbols():
         if symbolic:
             found: list = []
 
@@ -342,12 +347,14 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     # "symbolic" records how each size is computed from the inputs (aten.sym_size nodes).
     tracing_mode = "symbolic" if symbolic else "real"
     with mode:
-        with _explains_data_dependence(shape_env):
+        with kernels, _explains_data_dependence(shape_env):
             gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode)(*flat_args)
         detached = [t.detach() for t in flat_args]
         gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
 
     _inline_constants(gm)
+    retarget(gm, device)
+    check_no_cpu_kernels(gm, device)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tags = (
         [{"kind": "param", "fqn": f} for f in param_fqns]

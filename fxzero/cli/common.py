@@ -93,6 +93,9 @@ def trace_options(fn):
                   help="A DeepSpeed-style JSON config (zero_optimization.stage, optimizer).")
     @click.option("--model-config", "model_config", default=None, metavar="JSON|PATH", help=MODEL_CONFIG_HELP)
     @click.option("--inputs", "inputs", multiple=True, metavar="SPEC", help=INPUTS_HELP)
+    @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                  help="The device the program runs on: its kernels (attention's CUDA kernels) and the tensors it "
+                       "makes are that device's; a CUDA program compiles on a machine without a GPU.")
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -171,7 +174,7 @@ class Compiled:
 
 
 def compile_source(spec: str, *, world: Optional[int], stage: Optional[str], config_path: Optional[str],
-                   inputs: Sequence[str], model_config: Optional[str] = None) -> Compiled:
+                   inputs: Sequence[str], model_config: Optional[str] = None, device: str = "cpu") -> Compiled:
     """Build MODEL on the meta device, trace and schedule it, record the artifacts (in memory).
 
     The model is called as the --inputs spec says (`model(*args, **kwargs)`), or on its own
@@ -198,7 +201,7 @@ def compile_source(spec: str, *, world: Optional[int], stage: Optional[str], con
     with reports_errors(f"compiling {spec}"):
         start = time.perf_counter()
         compiled = fxzero.compile_program(model, call.args, config, world_size=world or DEFAULT_WORLD,
-                                          cost_model=static_cost_model(config), kwargs=call.kwargs)
+                                          cost_model=static_cost_model(config), kwargs=call.kwargs, device=device)
         seconds = time.perf_counter() - start
         art = record(compiled, model=spec, inputs=call.spec, config=config, seconds=seconds,
                      model_config=config_record(model))
@@ -211,19 +214,21 @@ def _looks_like_path(source: str) -> bool:
 
 def load_source(source: str, *, world: Optional[int] = None, stage: Optional[str] = None,
                 config_path: Optional[str] = None, inputs: Sequence[str] = (),
-                model_config: Optional[str] = None) -> Artifacts:
+                model_config: Optional[str] = None, device: str = "cpu") -> Artifacts:
     """Artifacts from a directory written by `fxzero compile`, or compiled now from a MODEL."""
     if _looks_like_path(source):
         with reports_errors():
             art = Artifacts.read(source)
         given = [name for name, v in (("--world", world), ("--stage", stage), ("--config", config_path),
-                                      ("--model-config", model_config), ("--inputs", inputs)) if v]
+                                      ("--model-config", model_config), ("--inputs", inputs),
+                                      ("--device", device if device != "cpu" else None)) if v]
         if given:
             click.echo(f"note: {', '.join(given)} apply when tracing a MODEL; {source} was compiled "
-                       f"for ZeRO-{art.schedule.stage} on {art.schedule.world_size} ranks", err=True)
+                       f"for ZeRO-{art.schedule.stage} on {art.schedule.world_size} {art.schedule.device} ranks",
+                       err=True)
         return art
     return compile_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs,
-                          model_config=model_config).artifacts
+                          model_config=model_config, device=device).artifacts
 
 
 def slug(spec: str) -> str:

@@ -27,7 +27,7 @@ def pass_trace_lines(pass_trace: list[dict]) -> list[str]:
 @trace_options
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Artifact directory to write (default artifacts/<MODEL>).")
-def compile_command(model, world, stage, config_path, model_config, inputs, out_dir):
+def compile_command(model, world, stage, config_path, model_config, inputs, device, out_dir):
     """Trace MODEL and schedule it for --world ranks, on fake tensors; write the artifacts.
 
     Nothing is launched and no parameter memory is allocated: the model is built on the meta
@@ -43,7 +43,7 @@ def compile_command(model, world, stage, config_path, model_config, inputs, out_
           --inputs 'input_ids=int64[2,128]:0..50257 labels=int64[2,128]:0..50257' -o DIR
     """
     result = compile_source(model, world=world, stage=stage, config_path=config_path, inputs=inputs,
-                            model_config=model_config)
+                            model_config=model_config, device=device)
     art = result.artifacts
     out_dir = out_dir or os.path.join("artifacts", slug(model))
     with reports_errors():

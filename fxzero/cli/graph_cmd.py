@@ -29,14 +29,14 @@ AUTO_COLLAPSE_NODES = 400
 @click.option("--collapse/--no-collapse", default=None,
               help=f"One box per unit and program for the compute (IR nodes stay). Default: on above "
                    f"{AUTO_COLLAPSE_NODES} nodes, unless --unit is given.")
-def graph_command(source, world, stage, config_path, model_config, inputs, fmt, output, unit, collapse):
+def graph_command(source, world, stage, config_path, model_config, inputs, device, fmt, output, unit, collapse):
     """Draw the rewritten program: one cluster per unit, forward beside backward.
 
     Nodes are coloured by kind (compute, all-gather, wait, free, reduce-scatter, fetch,
     offload) and the edges of collectives are drawn thick. Rendering uses graphviz's `dot`.
     """
     art = load_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs,
-                      model_config=model_config)
+                      model_config=model_config, device=device)
     if fmt is None:
         ext = os.path.splitext(output)[1].lstrip(".") if output and output != "-" else ""
         fmt = ext or "svg"

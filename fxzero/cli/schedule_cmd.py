@@ -28,8 +28,8 @@ def _ranks(n: int) -> str:
 @click.option("--simulate", "hw_name", type=click.Choice(sorted(cost.PRESETS)), default=DEFAULT_HARDWARE,
               show_default=True, help="Hardware preset (fxzero.cost.PRESETS) the table's times are simulated for.")
 @click.option("--full", is_flag=True, help="One row per instruction (default: runs of compute folded).")
-def schedule_command(source, world, stage, config_path, model_config, inputs, as_json, trace_path, plot_path, hw_name,
-                     full):
+def schedule_command(source, world, stage, config_path, model_config, inputs, device, as_json, trace_path, plot_path,
+                     hw_name, full):
     """Show the schedule: per stream, in the order the runtime runs it, with bytes and times.
 
     Times come from fxzero.cost's simulator for --simulate HARDWARE. The summary gives step
@@ -40,7 +40,7 @@ def schedule_command(source, world, stage, config_path, model_config, inputs, as
     from fxzero.viz.timing import recorded, simulated
 
     art = load_source(source, world=world, stage=stage, config_path=config_path, inputs=inputs,
-                      model_config=model_config)
+                      model_config=model_config, device=device)
     cost_model = cost.preset(hw_name)
     sim = simulated(art.schedule, cost_model)
     with reports_errors():

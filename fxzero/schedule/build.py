@@ -118,9 +118,10 @@ def _program_schedule(program: Program, layouts: dict[str, UnitLayout]) -> Progr
 
 def build_schedule(programs: dict[str, Program], layouts: list[UnitLayout], *, stage: int, world_size: int,
                    persistent: frozenset[str], prefetch_budget_bytes: Optional[int] = None,
-                   shapes: Optional[InputShapes] = None) -> Schedule:
+                   shapes: Optional[InputShapes] = None, device: str = "cpu") -> Schedule:
     """The Schedule of the forward, backward and step programs (from the passes); `shapes`: the
-    input sizes it serves (its figures are for `shapes.sizes` where some are symbolic)."""
+    input sizes it serves (its figures are for `shapes.sizes` where some are symbolic); `device`: the
+    device type its programs were traced for."""
     by_name = {u.name: u for u in layouts}
     progs = tuple(_program_schedule(programs[name], by_name) for name in PROGRAMS)
     schedule = Schedule(
@@ -128,6 +129,7 @@ def build_schedule(programs: dict[str, Program], layouts: list[UnitLayout], *, s
         tuple(u.name for u in layouts if u.name in persistent),
         prefetch_budget_bytes,
         shapes,
+        device,
     )
     validate(schedule)
     return schedule

@@ -103,6 +103,9 @@ class Schedule:
     shapes: Optional[InputShapes] = None
     """The input sizes the schedule serves; where some are symbolic, the sizes its bytes, FLOPs
     and timelines are evaluated at ([Note: any size, one program] in `fxzero/ir/shapes.py`)."""
+    device: str = "cpu"
+    """The device type the programs were traced for, "cpu" or "cuda" ([Note: tracing for a device]
+    in `fxzero/target_device.py`); a rank runs only a schedule for its own device type."""
 
     def program(self, name: str) -> ProgramSchedule:
         for p in self.programs:
@@ -145,6 +148,7 @@ class Schedule:
             "persistent": list(self.persistent),
             "prefetch_budget_bytes": self.prefetch_budget_bytes,
             "shapes": self.shapes.to_json() if self.shapes is not None else None,
+            "device": self.device,
         }
 
     def dumps(self) -> str:
@@ -167,6 +171,7 @@ class Schedule:
             tuple(d.get("persistent", ())),
             d.get("prefetch_budget_bytes"),
             InputShapes.from_json(d["shapes"]) if d.get("shapes") else None,
+            d.get("device", "cpu"),
         )
 
     @classmethod

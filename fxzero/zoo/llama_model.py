@@ -75,7 +75,11 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[to
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + head_dim/2) of x, shape (B, heads, T, head_dim), by position."""
+    """Rotate channel pairs (i, i + head_dim/2) of x, shape (B, heads, T, head_dim), by position.
+
+    The tables are computed in fp32 and applied in x's dtype, as Hugging Face's Llama applies
+    them: under bf16 compute q and k stay bf16, the dtype of v (SDPA needs all three alike)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from fxzero._compat import all_gather_single, reduce_scatter_single
 from fxzero.config import LinkEmulation
 from fxzero.runtime.comm.link import EmulatedLink
 
@@ -74,10 +75,10 @@ class Comm:
 
     # Each collective: count, then issue. Overridden by LocalComm for a world of one.
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Optional[dist.Work]:
-        return dist.all_gather_single(out, shard, group=self.group, async_op=True)
+        return all_gather_single(out, shard, group=self.group, async_op=True)
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Optional[dist.Work]:
-        return dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def _all_reduce(self, flat: torch.Tensor) -> Optional[dist.Work]:
         return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
