@@ -58,6 +58,17 @@ NAMES: dict[str, dict[str, str]] = {
         "get_fp32_state_dict_from_zero_checkpoint": "fxzero.utils:get_fp32_state_dict_from_zero_checkpoint",
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},
     "git_version_info": {"version": "fxzero:__version__", "torch_info": "fxzero.accelerator:TORCH_INFO"},
+    # random layer-token drop (docs/random_ltd.md): the layers route in fxzero's programs
+    "runtime.data_pipeline.data_routing.helper": {
+        "convert_to_random_ltd": "fxzero.runtime.random_ltd.helper:convert_to_random_ltd",
+        "save_without_random_ltd": "fxzero.runtime.random_ltd.helper:save_without_random_ltd",
+        "remove_random_ltd_state_dict": "fxzero.runtime.random_ltd.helper:remove_random_ltd_state_dict",
+        "RandomLayerTokenDrop": "fxzero.runtime.random_ltd.layer:RandomLayerTokenDrop"},
+    "runtime.data_pipeline.data_routing.basic_layer": {
+        "RandomLayerTokenDrop": "fxzero.runtime.random_ltd.layer:RandomLayerTokenDrop"},
+    "runtime.data_pipeline.data_routing.scheduler": {
+        "BaseScheduler": "fxzero.runtime.random_ltd.scheduler:BaseScheduler",
+        "RandomLTDScheduler": "fxzero.runtime.random_ltd.scheduler:RandomLTDScheduler"},
 }
 """DeepSpeed's deeper modules: each name -> "fxzero.module:attribute", the object that is that
 name under fxzero ([Note: DeepSpeed's deeper names]). A package above them that fxzero does not

@@ -25,6 +25,7 @@ from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
 from fxzero.config.precision import MixedPrecision
 from fxzero.config.policies import OPTIMIZERS, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
+from fxzero.config.random_ltd import RandomLTD
 
 __all__ = ["TRANSPORTS", "Config"]
 
@@ -100,6 +101,10 @@ class Config:
     """The learning rate over the optimizer steps: one of DeepSpeed's schedules
     (`fxzero.WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest`), stepped by
     the engine at each boundary; None: constant (or a torch scheduler the user steps)."""
+    random_ltd: Optional[RandomLTD] = None
+    """Random layer-token drop (`fxzero.config.random_ltd.RandomLTD`, DeepSpeed's
+    data_efficiency.data_routing.random_ltd): the layers a script converts run on a scheduled
+    number of random tokens in training; None: off. See docs/random_ltd.md."""
     dataloader_drop_last: bool = False
     """Whether the dataloader `fxzero.initialize` returns drops each epoch's last, incomplete batch."""
     steps_per_print: Optional[int] = None
@@ -128,6 +133,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.random_ltd is not None and not isinstance(self.random_ltd, RandomLTD):
+            raise TypeError(f"Config.random_ltd must be a fxzero.config.random_ltd.RandomLTD or None, got "
+                            f"{type(self.random_ltd).__name__}")
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise ValueError(f"Config.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
         if not isinstance(self.units, UnitsPolicy):

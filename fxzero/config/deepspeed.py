@@ -33,6 +33,7 @@ from fxzero.config.deepspeed_keys import (
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
 from fxzero.config.policies import Adagrad, Adam, AdamW, Lion, OptimizerPolicy, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
+from fxzero.config.random_ltd import random_ltd_from_deepspeed
 from fxzero.config.schedules import schedule_from_deepspeed
 
 __all__ = ["DeepSpeedReading", "read_deepspeed"]
@@ -384,6 +385,9 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(get("dataloader_drop_last")),
     )
+    random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
+    if random_ltd is not None:
+        fields["random_ltd"] = random_ltd
     if optimizer_section is not None:  # (without one DeepSpeed builds none: Config's default, or the client's)
         fields["optimizer"] = _optimizer(optimizer_section, offload.offloaded("optimizer"))
     return DeepSpeedReading(fields, reader.ineffective, reader.resolved, notes)

@@ -304,8 +304,10 @@ KEYS: dict[str, Key] = {
                         "schedule with its cost model, and this run trains with the config's own values"),
     "compression_training": _off("DeepSpeed's compression library, quantization-aware training, pruning and layer "
                                  "reduction (removed from DeepSpeed 0.19 too), is not in fxzero", honoured={}),
-    "data_efficiency": _off("DeepSpeed's data efficiency library, curriculum learning and random layer-token drop "
-                            "(random-LTD), is not in fxzero", honoured=({}, {"enabled": False})),
+    "data_efficiency": _used("random layer-token drop (data_routing.random_ltd) runs as Config.random_ltd "
+                             "(fxzero.config.random_ltd.RandomLTD); the section is read whole, key by key, by "
+                             "fxzero/config/random_ltd.py (docs/random_ltd.md); data sampling (curriculum learning, "
+                             "dynamic batching) is an error unless switched off"),
     "curriculum_learning": _off("curriculum learning (removed from DeepSpeed 0.19 too) is not in fxzero",
                                 honoured=({}, {"enabled": False})),
     "progressive_layer_drop": _off("progressive layer dropping (removed from DeepSpeed 0.19 too) is not in fxzero",

@@ -36,6 +36,8 @@ from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.optimizer import ShardedOptimizer
+from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
+from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import optim_step
@@ -120,6 +122,12 @@ class Engine:
         self._requires_grad = RequiresGradWatch(model, state.layouts)  # ([Note: requires_grad after compile])
         self._window = GradWindow()  # what no backward of this accumulation gave a gradient: the update skips it
         self._user.engine = self
+        self._random_ltd: Optional[RandomLTDRouting] = None  # random layer-token drop (docs/random_ltd.md)
+        if config.random_ltd is not None:
+            self._random_ltd = RandomLTDRouting(config.random_ltd, global_batch_size=batch.train_batch_size,
+                                                micro_batch_size=batch.micro_batch_size, rank=self.rank)
+            self.random_ltd_scheduler = self._random_ltd.scheduler
+            """DeepSpeed's: the tokens random-LTD keeps now (`get_current_seq()`), and its state."""
 
     # -- programs --------------------------------------------------------------------------
 
@@ -270,6 +278,8 @@ class Engine:
         if self._failed_load is not None:
             raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
                                "build a new engine (fxzero.compile) and load a good checkpoint")
+        if self._random_ltd is not None:  # the schedule's step, and the kept count as an input (routing.py)
+            args, kwargs = self._random_ltd.call(self._model, args, kwargs, self.global_steps, self.device)
         leaves, spec = flatten_call(args, kwargs)
         if self._requires_grad.changed(self.rank):
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
@@ -531,7 +541,32 @@ class Engine:
             for name, p in self._model.named_parameters():
                 if not p.requires_grad:
                     sd.pop(prefix + name, None)
+        if self._random_ltd is not None:  # (a RandomLayerTokenDrop wrapper built before initialize: its layer's names)
+            sd = remove_random_ltd_state_dict(sd)
         return sd
+
+    # -- random layer-token drop (DeepSpeed's data routing; docs/random_ltd.md) -----------------
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether the config enables random-LTD (data_efficiency.data_routing.random_ltd, Config.random_ltd)."""
+        return self._random_ltd is not None
+
+    def random_ltd_config(self) -> dict[str, Any]:
+        """DeepSpeed's random-LTD dict, with the batch sizes the engine adds."""
+        return self._require_random_ltd("random_ltd_config()").config
+
+    def random_ltd_initialize(self) -> None:
+        """Route the layers converted to `RandomLayerTokenDrop` that the config names (DeepSpeed's
+        call, made by `convert_to_random_ltd`); programs traced before are traced again."""
+        self._require_random_ltd("random_ltd_initialize()").initialize(self._model)
+        self._cache.clear()
+
+    def _require_random_ltd(self, what: str) -> RandomLTDRouting:
+        if self._random_ltd is None:
+            raise ValueError(f"[rank {self.rank}] {what}: the config does not enable random-LTD; set "
+                             "data_efficiency.data_routing.random_ltd.enabled true in the DeepSpeed config (or "
+                             "Config.random_ltd)")
+        return self._random_ltd
 
     def empty_partition_cache(self) -> None:
         """Release gathered parameter buffers held between steps (the pool's idle buffers)."""

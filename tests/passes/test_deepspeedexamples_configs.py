@@ -47,7 +47,6 @@ FEATURES: dict[str, list[str]] = {
         f for f in _files("compression__") if f not in ("compression__bert__config__ds_config.json",  # all off
                                                         "compression__cifar__config__ds_config.json",
                                                         "compression__gpt2__config__ds_config.json")],
-    r"data efficiency library, curriculum learning and random layer-token drop": _files("training__data_efficiency__"),
     r"progressive layer dropping": ["training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json"],
     r"sparse attention": ["training__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json"],
     r"Mixture-of-Quantization, MoQ": ["training__MoQ__test.json"],

@@ -187,6 +187,8 @@ def _load_engine_state(engine, saved: _Saved) -> None:
             group.update({k: v for k, v in values.items() if k != "params"})
     if saved.lr_scheduler is not None:
         control.lr_scheduler.load_state_dict(saved.lr_scheduler)
+    if engine.random_ltd_enabled() and state.get("random_ltd") is not None:  # (as DeepSpeed: whenever both have it)
+        engine.random_ltd_scheduler.load_state_dict(state["random_ltd"])
 
 
 def _load_rank_state(engine, saved: _Saved) -> None:

@@ -343,6 +343,7 @@ def _engine_state(engine, client_state: Optional[dict]) -> dict[str, Any]:
         "skipped_steps": control.skipped_steps, "grad_norm": control.grad_norm,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "lr_scheduler": _pickled(scheduler.state_dict(), "the LR scheduler's state") if scheduler is not None else None,
+        "random_ltd": engine.random_ltd_scheduler.state_dict() if engine.random_ltd_enabled() else None,
         "client_state": [[repr(key), _pickled((key, value), f"client_state[{key!r}]")]
                          for key, value in (client_state or {}).items()],
     }
