@@ -30,6 +30,7 @@ _EXPORTS = {
     "Device": "fxzero.config",
     "Engine": "fxzero.runtime.engine",
     "LinkEmulation": "fxzero.config",
+    "Lamb": "fxzero.config",
     "Lion": "fxzero.config",
     "LossScale": "fxzero.config",
     "MixedPrecision": "fxzero.config",

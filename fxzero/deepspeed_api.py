@@ -47,12 +47,15 @@ _WHOLE_TENSOR_OPTIMIZERS = {
     "SparseAdam": "it takes sparse gradients (nn.Embedding(sparse=True)), and fxzero's gradients are dense shards",
     "Adafactor": "it factors each matrix's second moment into row and column means",
     "Muon": "it orthogonalizes each matrix's update (Newton-Schulz iterations on the whole 2-D gradient)",
-    "Lamb": "its trust ratio divides each parameter's norm by its update's norm",
-    "FusedLamb": "its trust ratio divides each parameter's norm by its update's norm",
-    "OnebitLamb": "its trust ratio divides each parameter's norm by its update's norm",
     "LARS": "its trust ratio divides each parameter's norm by its gradient's norm",
 }
 """Optimizers that need each parameter whole, and why (by class name, torch's or other libraries')."""
+
+_LAMB_OBJECTS = ("Lamb", "LAMB", "FusedLamb", "FusedLAMB", "OnebitLamb")
+"""LAMB optimizers of other libraries (DeepSpeed's, apex's, torch-optimizer's), by class name:
+fxzero runs LAMB as DeepSpeed's FusedLamb computes it (`fxzero.Lamb`), named in the config; these
+objects' formulas differ (where bias correction and weight decay enter, the ratio's clamp), so
+their settings are not read into it."""
 
 
 def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[datetime.timedelta] = None,
@@ -125,6 +128,12 @@ def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPo
     name = type(optimizer).__name__
     cls = _POLICY_OF_TORCH.get(type(optimizer))
     runs = ", ".join(f"torch.optim.{c.TORCH}" for c in OPTIMIZERS if c.TORCH is not None)
+    if cls is None and name in _LAMB_OBJECTS:
+        raise TypeError(f"optimizer is a {name}: fxzero runs LAMB as DeepSpeed's FusedLamb computes it, each "
+                        "parameter's norms summed from the shards, when the config names it (\"optimizer\": "
+                        "{\"type\": \"Lamb\", \"params\": {...}}, or Config(optimizer=fxzero.Lamb(...))); a LAMB "
+                        "object of another library is not read, since its formulas differ (where the bias correction "
+                        "and weight decay enter, the trust ratio's clamp): drop optimizer= and name it in the config")
     if cls is None and name in _WHOLE_TENSOR_OPTIMIZERS:
         raise TypeError(f"optimizer is a {name}: it needs each parameter whole ({_WHOLE_TENSOR_OPTIMIZERS[name]}), and "
                         "each rank holds a flat shard of its units, pieces of several parameters and most of none; use "

@@ -3,7 +3,8 @@
 Runs the zoo GPT on N gloo ranks, records the executed timeline (every forward and backward
 instruction with start and end), and prints one JSON line per rank: time per program, time
 spent in waits (communication left exposed), the slowest op kinds, and what the simulator
-predicts for the same schedule with the engine's calibrated cost model.
+predicts for the same schedule with the engine's calibrated cost model; the median time of the
+phases (forward, backward, the optimizer step) over the steps after the first.
 
     .venv/bin/python tools/profile_step.py --model small --ranks 2 --steps 4
 """
@@ -14,6 +15,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -40,8 +42,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             offload = fxzero.Offload(params=place, optimizer=place, step_in_backward=args.step_in_backward,
                                      lookahead=args.lookahead)
         link = fxzero.LinkEmulation(bandwidth=args.link_bandwidth, latency=0.0) if args.link_bandwidth else None
+        optimizer = {"adamw": fxzero.AdamW(), "lamb": fxzero.Lamb()}[args.optimizer]
         engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload,
-                                                     link_emulation=link))
+                                                     link_emulation=link, optimizer=optimizer))
         cfg = model.config
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
@@ -82,7 +85,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             "rank": rank,
             "model": args.model,
             "params": engine.num_params,
+            "optimizer": args.optimizer,
             "last_step_s": {k: round(v, 4) for k, v in last.items()},
+            "median_step_s": {k: round(statistics.median(s[k] for s in steps[1:] or steps), 4) for k in last},
             "instruction_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top_ops_s": {k: round(v, 4) for k, v in by_op.most_common(8)},
             "io": engine.io_report(),
@@ -112,6 +117,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["adamw", "lamb"], default="adamw",
+                        help="fxzero.AdamW() or fxzero.Lamb() (its per-parameter norms: one all-reduce per unit)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",

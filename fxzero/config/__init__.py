@@ -2,7 +2,7 @@
 
 - `policies`: `UnitsPolicy`, `Prefetch`, `Bucket`, `LinkEmulation`, and the optimizers of
   `optimizers` (`OptimizerPolicy`: `AdamW`, `Adam`, `Adamax`, `NAdam`, `RAdam`, `Adagrad`, `SGD`,
-  `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`);
+  `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`, `Lamb`);
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
 - `precision`: `MixedPrecision` and float16's `LossScale`;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
@@ -11,7 +11,7 @@
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload, Placement, state_kinds
 from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Bucket,
-                                    LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
+                                    Lamb, LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
                                     UnitsPolicy)
 from fxzero.config.precision import LossScale, MixedPrecision
 
@@ -29,6 +29,7 @@ __all__ = [
     "Config",
     "Cpu",
     "Device",
+    "Lamb",
     "LinkEmulation",
     "Lion",
     "LossScale",

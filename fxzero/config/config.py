@@ -44,8 +44,8 @@ class Config:
     """How parameters are grouped into units (the sharding granularity)."""
     optimizer: OptimizerPolicy = AdamW()
     """The optimizer run on each rank's shard: one of `fxzero.config.OPTIMIZERS` (AdamW, Adam,
-    Adagrad, SGD, Lion and torch.optim's other element-wise ones), whose declared states the step
-    program keeps per element (two for AdamW and Adam, one for Adagrad, ...)."""
+    Adagrad, SGD, Lion and torch.optim's other element-wise ones, and Lamb), whose declared states
+    the step program keeps per element (two for AdamW, Adam and Lamb, one for Adagrad, ...)."""
     seed: int = 0
     """Seed for initializing a model built on the meta device by its own init code (each layer's
     `reset_parameters()`, then the model's `_init_weights`): the values eager construction after

@@ -19,6 +19,7 @@ the sum (the same average).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -31,7 +32,7 @@ from fxzero.config.deepspeed_defaults import DEFAULTS, FIELD_NAMES, OPTIMIZER_DE
 from fxzero.config.deepspeed_keys import (
     AUTO_IMPLIED, ELEMENTWISE_TORCH, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import Adagrad, Adam, AdamW, Lion, OptimizerPolicy, Prefetch
+from fxzero.config.policies import Adagrad, Adam, AdamW, Lamb, Lion, OptimizerPolicy, Prefetch
 from fxzero.config.precision import LossScale, MixedPrecision
 from fxzero.config.random_ltd import random_ltd_from_deepspeed
 from fxzero.config.schedules import schedule_from_deepspeed
@@ -173,8 +174,8 @@ def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
     if table is None:
         why = _REFUSED_TYPES.get(kind.lower(), "it is not one DeepSpeed or torch.optim has")
         raise ValueError(f"DeepSpeed config: optimizer type {kind!r} is not supported ({why}); fxzero runs "
-                         "\"Adam\"/\"AdamW\" (\"adam_w_mode\": false for L2 weight decay), \"Adagrad\", \"Lion\" "
-                         f"and torch.optim's element-wise {', '.join(repr(t) for t in sorted(TORCH_TYPES))}")
+                         "\"Adam\"/\"AdamW\" (\"adam_w_mode\": false for L2 weight decay), \"Adagrad\", \"Lion\", "
+                         f"\"Lamb\" and torch.optim's element-wise {', '.join(repr(t) for t in sorted(TORCH_TYPES))}")
     params = section.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"DeepSpeed config: optimizer.params must be an object, got {params!r}")
@@ -199,9 +200,10 @@ def _optimizer(section: dict[str, Any], offloaded: bool) -> OptimizerPolicy:
     given = lambda k: params.get(k, defaults.get(k))  # noqa: E731  (None: not a param of that class)
     if name == "adagrad":  # torch.optim.Adagrad, as DeepSpeed builds it (DeepSpeedCPUAdagrad when offloaded)
         return Adagrad(**{k: float(given(k)) for k in table if given(k) is not None})
-    if name == "lion" or name in TORCH_TYPES:  # FusedLion / DeepSpeedCPULion, or torch.optim's class by name
-        policy = Lion if name == "lion" else TORCH_TYPES[name]
-        return policy(**{k: _as_field(given(k)) for k in table if given(k) is not None})
+    if name in ("lion", "lamb") or name in TORCH_TYPES:  # FusedLion / DeepSpeedCPULion, FusedLamb, or torch.optim's
+        policy = {"lion": Lion, "lamb": Lamb}.get(name) or TORCH_TYPES[name]
+        fields = {f.name for f in dataclasses.fields(policy)}  # (not FusedLamb's amsgrad, false or refused above)
+        return policy(**{k: _as_field(given(k)) for k in table if k in fields and given(k) is not None})
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its FusedAdam's default).
     decoupled = kind.lower() == "adamw" or bool(params.get("adam_w_mode", True))
     cls = AdamW if decoupled else Adam
@@ -214,11 +216,9 @@ TORCH_TYPES = {policy.TORCH: policy for policy in ELEMENTWISE_TORCH}
 """torch.optim class name -> its policy, for "optimizer" sections naming one."""
 
 _REFUSED_TYPES = {
-    "lamb": "LAMB scales each parameter's update by its own norm ratio, which a flat shard holding parts of "
-            "several parameters cannot compute; use \"AdamW\"",
     "onebitadam": "1-bit Adam's compressed communication is not in fxzero (nor in DeepSpeed 0.19.8); use \"Adam\"",
     "zerooneadam": "0/1 Adam's compressed communication is not in fxzero (nor in DeepSpeed 0.19.8); use \"Adam\"",
-    "onebitlamb": "1-bit LAMB is not in fxzero (nor in DeepSpeed 0.19.8); use \"AdamW\"",
+    "onebitlamb": "1-bit LAMB is not in fxzero (nor in DeepSpeed 0.19.8); use \"Lamb\"",
     "muon": "Muon orthogonalizes each weight matrix whole, which a flat shard cannot; use \"AdamW\"",
 }
 """Optimizer types fxzero refuses, with the reason each needs what fxzero does not have."""

@@ -28,7 +28,7 @@ import json
 from typing import Any, Literal
 
 from fxzero.config.deepspeed_defaults import DEEPSPEED_VERSION, DEFAULTS, OPTIMIZER_DEFAULTS
-from fxzero.config.optimizers import ASGD, SGD, Adadelta, Adamax, Lion, NAdam, RAdam, RMSprop, Rprop
+from fxzero.config.optimizers import ASGD, SGD, Adadelta, Adamax, Lamb, Lion, NAdam, RAdam, RMSprop, Rprop
 from fxzero.config.schedules import SCHEDULES
 
 __all__ = ["AUTO_DEFAULT", "AUTO_IMPLIED", "KEYS", "NO_EFFECT", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES", "SECTION",
@@ -386,11 +386,15 @@ def _policy_params(policy: type) -> dict[str, Key]:
 
 
 OPTIMIZER_PARAMS["lion"] = _policy_params(Lion)
+OPTIMIZER_PARAMS["lamb"] = {
+    **_policy_params(Lamb),
+    "amsgrad": _off("FusedLamb has no AMSGrad (it raises for true)"),
+}
 for _policy in ELEMENTWISE_TORCH:
     OPTIMIZER_PARAMS[_policy.TORCH] = _policy_params(_policy)
 
 OPTIMIZER_TYPES: dict[str, tuple[str, ...]] = {"adam": ("Adam", "AdamW"), "adagrad": ("Adagrad",), "lion": ("Lion",),
-                                               **{p.TORCH: (p.TORCH,) for p in ELEMENTWISE_TORCH}}
+                                               "lamb": ("Lamb",), **{p.TORCH: (p.TORCH,) for p in ELEMENTWISE_TORCH}}
 """The "optimizer" "type" values that read each `OPTIMIZER_PARAMS` table: DeepSpeed's own types
 case-insensitively; a torch.optim class by its exact name, as DeepSpeed looks it up."""
 

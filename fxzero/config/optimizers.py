@@ -1,19 +1,28 @@
 """The optimizer policies: what runs on each rank's flat shards, one frozen dataclass each.
 
-Every policy here is element-wise: an element's new value depends on that element's parameter,
-gradient and states, and on numbers shared by all elements of a parameter (the step count, the
-group's hyperparameters). That is what lets a rank update any slice of a flat buffer, cut
-anywhere, exactly as torch updates the whole tensors ([Note: torch's arithmetic on a shard] in
-`fxzero/runtime/torch_updates.py`). Each declares the states it keeps per element ([Note:
+Every policy but LAMB is element-wise: an element's new value depends on that element's
+parameter, gradient and states, and on numbers shared by all elements of a parameter (the step
+count, the group's hyperparameters). That is what lets a rank update any slice of a flat buffer,
+cut anywhere, exactly as torch updates the whole tensors ([Note: torch's arithmetic on a shard]
+in `fxzero/runtime/torch_updates.py`). Each declares the states it keeps per element ([Note:
 optimizer states] in `policies.py`) and takes its fields' names and defaults from the torch
 optimizer it reproduces (`TORCH`), so `fxzero.initialize` reads a client's torch optimizer
 field by field and a DeepSpeed config names them as `torch.optim` does.
 
-Not here, and refused by `fxzero.initialize` with the reason: optimizers that need each
-parameter whole (LAMB's and LARS's trust ratio is a norm per tensor, Adafactor factors each
-matrix's second moment into row and column means, Muon orthogonalizes each matrix, LBFGS keeps
-curvature pairs of the whole parameter vector, SparseAdam takes sparse gradients). A flat shard
-holds pieces of several parameters and most of none, so none of those can be computed on it.
+LAMB (`Lamb`) also needs two numbers of each whole parameter, the norms of its weight and of its
+update, for its trust ratio. A flat shard holds pieces of several parameters and most of none,
+but a norm is the square root of a sum, and sums add over ranks: each rank sums the squares over
+the elements of each parameter it holds, and one small all-reduce per unit (2 numbers per
+parameter) gives every rank the whole tensors' norms ([Note: sums over whole parameters] in
+`fxzero/runtime/optim.py`). A policy says how many such sums per parameter its update needs in
+`WHOLE_PARAMETER_SUMS` (0: element-wise).
+
+Not here, and refused by `fxzero.initialize` with the reason: optimizers that need more of each
+parameter than sums of its elements (Adafactor factors each matrix's second moment into row and
+column means, Muon orthogonalizes each matrix, LBFGS keeps curvature pairs of the whole
+parameter vector, SparseAdam takes sparse gradients), and LAMB or LARS objects of other
+libraries, whose formulas differ from DeepSpeed's FusedLamb (`Lamb` is that one; torch.optim has
+no LAMB).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping, Optional
 
-__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Lion", "NAdam", "OptimizerPolicy",
-           "RAdam", "RMSprop", "Rprop", "SGD"]
+__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Lamb", "Lion", "NAdam",
+           "OptimizerPolicy", "RAdam", "RMSprop", "Rprop", "SGD"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +51,11 @@ class OptimizerPolicy:
     """The options every param group carries (its own, or this policy's), read at each update."""
     TORCH: ClassVar[Optional[str]] = None
     """The `torch.optim` class whose arithmetic this is (fields named as its constructor's
-    arguments); None for an update torch does not have (Lion)."""
+    arguments); None for an update torch does not have (Lion, LAMB)."""
+    WHOLE_PARAMETER_SUMS: ClassVar[int] = 0
+    """How many sums over each whole parameter's elements the update needs (LAMB: 2, the squared
+    norms of the weight and of the update); 0 for an element-wise update. Each costs one number
+    per parameter in one all-reduce per unit and step ([Note: sums over whole parameters])."""
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -439,6 +452,62 @@ class Lion(OptimizerPolicy):
         self._check_pair("betas", 0.0, 1.0)
 
 
+# -- LAMB -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lamb(OptimizerPolicy):
+    """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+    minutes") with the semantics of DeepSpeed 0.19.8's `FusedLamb`, DeepSpeed's "Lamb" optimizer
+    type (read from `deepspeed/ops/lamb/fused_lamb.py` and its kernel
+    `csrc/lamb/fused_lamb_cuda_kernel.cu`; our own code). Per parameter, at step t::
+
+        m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
+        u = m / (sqrt(v) + eps) + weight_decay * p     (eps_inside_sqrt: m / sqrt(v + eps) + ...)
+        ratio = |p| / |u|, clamped to [min_coeff, max_coeff]; 1 when |p| or |u| is 0
+        p = p - step_size * ratio * u,   step_size = lr * sqrt(1 - beta2**t) / (1 - beta1**t)
+                                          (bias_correction; lr without)
+
+    with |.| the norm of the whole tensor (`WHOLE_PARAMETER_SUMS`: computed from shards by one
+    all-reduce). As in the kernel, the trust ratio is taken of the uncorrected update and the
+    bias correction enters only the step size, and weight decay is inside the update (so inside
+    the ratio). DeepSpeed clips by the global norm before the update (the top-level
+    "gradient_clipping", `Config.gradient_clipping`) and refuses FusedLamb's own `max_grad_norm`,
+    so fxzero has no such field. Its ZeRO optimizers hand FusedLamb each rank's flat partition,
+    which makes DeepSpeed's trust ratio one per partition at stages 1-3; fxzero's is the
+    per-tensor one at every stage, as DeepSpeed's stage 0 computes it."""
+
+    STATES: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
+    HYPERPARAMETERS: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay", "bias_correction",
+                                                  "max_coeff", "min_coeff")
+    WHOLE_PARAMETER_SUMS: ClassVar[int] = 2
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: float = 1e-8
+    """Added to the denominator: to sqrt(v), or under the square root with `eps_inside_sqrt`."""
+    eps_inside_sqrt: bool = False
+    """m / sqrt(v + eps) instead of m / (sqrt(v) + eps): FusedLamb's constructor option (one for
+    every param group, as there)."""
+    weight_decay: float = 0.0
+    """Added to the update as weight_decay * p, before the trust ratio (FusedLamb's)."""
+    bias_correction: bool = True
+    """Scale the step by sqrt(1 - beta2**t) / (1 - beta1**t); False: lr as it is."""
+    max_coeff: float = 10.0
+    """The largest trust ratio."""
+    min_coeff: float = 0.01
+    """The smallest trust ratio."""
+
+    def __post_init__(self) -> None:
+        self._check_nonnegative("lr", "eps", "weight_decay", "min_coeff")
+        self._check_pair("betas", 0.0, 1.0)
+        if not self.max_coeff >= self.min_coeff:
+            raise ValueError(f"Lamb.max_coeff={self.max_coeff} is below Lamb.min_coeff={self.min_coeff}: the trust "
+                             "ratio is clamped to [min_coeff, max_coeff]; give max_coeff >= min_coeff")
+
+
 OPTIMIZERS: tuple[type[OptimizerPolicy], ...] = (AdamW, Adam, Adamax, NAdam, RAdam, Adagrad, SGD, RMSprop, Adadelta,
-                                                 ASGD, Rprop, Lion)
+                                                 ASGD, Rprop, Lion, Lamb)
 """The optimizer policies fxzero runs (the runtime has the arithmetic of each)."""

@@ -19,8 +19,9 @@ state never written reads as the policy's `initial_value` (0 for AdamW's moments
 parameter (NAdam's mu_product, ASGD's eta and mu: `SCALAR_STATES`) are states like the others,
 the same value in each of a parameter's elements, so the same machinery shards, offloads and
 re-slices them. The arithmetic of each policy is in `fxzero/runtime/optim.py` (AdamW, Adam,
-Adagrad, Lion) and `fxzero/runtime/torch_updates.py` (torch's own single-tensor update, on the
-shard's ranges, for the others).
+Adagrad, Lion, and LAMB, whose per-tensor norms come from one small all-reduce per unit) and
+`fxzero/runtime/torch_updates.py` (torch's own single-tensor update, on the shard's ranges, for
+the others).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from fxzero.config.optimizers import (ASGD, OPTIMIZERS, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, NAdam,
+from fxzero.config.optimizers import (ASGD, OPTIMIZERS, Adadelta, Adagrad, Adam, Adamax, AdamW, Lamb, Lion, NAdam,
                                       OptimizerPolicy, RAdam, RMSprop, Rprop, SGD)
 
-__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Bucket", "LinkEmulation", "Lion",
-           "NAdam", "OptimizerPolicy", "Prefetch", "RAdam", "RMSprop", "Rprop", "SGD", "UnitsPolicy"]
+__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Bucket", "Lamb", "LinkEmulation",
+           "Lion", "NAdam", "OptimizerPolicy", "Prefetch", "RAdam", "RMSprop", "Rprop", "SGD", "UnitsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

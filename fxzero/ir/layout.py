@@ -89,6 +89,19 @@ class UnitLayout:
                 out.append((a - lo, b - lo, g))
         return out
 
+    def param_shard_ranges(self, rank: int, group_of: Mapping[str, int],
+                           skip: frozenset[str] = frozenset()) -> list[tuple[int, int, int, int]]:
+        """(lo, hi, group, slot) per parameter not in `skip` with elements in rank's shard: its
+        range relative to the shard, its param group (as `grouped_shard_ranges`) and its index in
+        `slots`; never merged, so an update can sum over each parameter's own elements."""
+        lo, hi = self.shard_range(rank)
+        out: list[tuple[int, int, int, int]] = []
+        for i, s in enumerate(self.slots):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if s.fqn not in skip and a < b:
+                out.append((a - lo, b - lo, group_of.get(s.fqn, 0), i))
+        return out
+
     def to_json(self) -> dict:
         return {
             "name": self.name,

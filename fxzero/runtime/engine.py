@@ -40,7 +40,7 @@ from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
-from fxzero.runtime.optim import optim_step
+from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState
 from fxzero.runtime.user_module import UserModule
 from fxzero.runtime.storage.pool import BufferPool
@@ -215,7 +215,7 @@ class Engine:
             return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
                                  self.store, update, pool=self._pool, flags=self.control.flags)
 
-        sequence = collective_sequence(schedule)
+        sequence = collective_sequence(schedule) + self._update_collectives(schedule)
         key = (family, compiled.shapes)
         self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
                                    sequence_digest(sequence))
@@ -227,6 +227,17 @@ class Engine:
                           f"{evicted[1].describe()}); a run that cycles through more call signatures recompiles "
                           "each time: raise the size", stacklevel=4)
         return self._cache[key]
+
+    def _update_collectives(self, schedule) -> tuple[str, ...]:
+        """The all-reduces the updates issue themselves, one per unit updated, for an optimizer
+        that needs sums over whole parameters ([Note: sums over whole parameters] in
+        `fxzero/runtime/optim.py`), in the order the programs update the units."""
+        sums = self.optimizer.policy.WHOLE_PARAMETER_SUMS
+        if not sums:
+            return ()
+        return tuple(f"{p.name}: all_reduce of {i.unit} ({sums * len(self._layout[i.unit].slots)} x float32, "
+                     "the update's sums over whole parameters)"
+                     for p in schedule.programs for i in p.instructions if i.kind == "optim_step")
 
     def _agree(self, runners: Runners) -> None:
         """Every rank's program issues the same collectives ([Note: one collective sequence] in
@@ -397,10 +408,19 @@ class Engine:
         if self._window.gradless is not None:  # (torch's: what any backward of the accumulation gave a gradient)
             gradless = self._window.gradless
         key = (ins.unit, gradless)
+        policy = self.optimizer.policy
         if key not in self._ranges:
-            self._ranges[key] = layout.grouped_shard_ranges(self.rank, self._group_of, skip=gradless)
+            self._ranges[key] = (layout.param_shard_ranges(self.rank, self._group_of, skip=gradless)
+                                 if policy.WHOLE_PARAMETER_SUMS else
+                                 layout.grouped_shard_ranges(self.rank, self._group_of, skip=gradless))
+        whole = None
+        if policy.WHOLE_PARAMETER_SUMS:  # ([Note: sums over whole parameters] in fxzero/runtime/optim.py)
+            what = f"{type(policy).__name__}'s sums over the whole parameters of unit {ins.unit!r}"
+            whole = WholeSums(self._ranges[key], len(layout.slots),
+                              lambda sums: self.control.sum_over_ranks(sums, what))
         step = self.state.steps.get(ins.unit, 0) + 1
-        optim_step(self.optimizer.policy, param, grad, states, step, self.optimizer.param_groups, self._ranges[key])
+        optim_step(policy, param, grad, states, step, self.optimizer.param_groups,
+                   self._ranges[key] if whole is None else [], whole)
         self.state.steps[ins.unit] = step
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -1,6 +1,6 @@
-"""The update of one unit's shard, per parameter group: AdamW, Adam, Adagrad and Lion written
-here, every other optimizer policy by torch's own single-tensor update on the shard's ranges
-(`fxzero/runtime/torch_updates.py`, [Note: torch's arithmetic on a shard]).
+"""The update of one unit's shard, per parameter group: AdamW, Adam, Adagrad, Lion and LAMB
+written here, every other optimizer policy by torch's own single-tensor update on the shard's
+ranges (`fxzero/runtime/torch_updates.py`, [Note: torch's arithmetic on a shard]).
 
 Each optimizer policy declares the states it keeps per element ([Note: optimizer states] in
 `fxzero/config/policies.py`); `optim_step` takes them as a list in that order, wherever they
@@ -15,25 +15,55 @@ and its norms and biases without): `UnitLayout.grouped_shard_ranges` cuts the sh
 belong to one group, and the update reads that group's hyperparameters (the policy's
 `HYPERPARAMETERS`) from the optimizer's `param_groups` at every step, so an LR schedule that
 writes `param_groups[i]["lr"]` (or a momentum schedule, `betas`) drives the sharded step.
+
+[Note: sums over whole parameters]
+LAMB's trust ratio divides the norm of each whole parameter by the norm of its whole update, and
+a rank's shard holds pieces of several parameters and most of none. A norm is the square root of
+a sum of squares, and sums add over ranks, as the clipping norm does ([Note: clipping from
+shards] in `stepping.py`) with one number for the whole model: here it is one number per
+parameter and per sum the update needs (`OptimizerPolicy.WHOLE_PARAMETER_SUMS`). The update of a
+unit then runs in two passes over its shard: the first updates the states and writes each
+element's update into a scratch buffer, summing, per parameter, the squares of the weight and of
+the update over the elements this rank holds (`UnitLayout.param_shard_ranges`: padding is in no
+parameter's range, and a parameter this rank holds none of sums to 0); one all-reduce of that
+(parameters x sums) matrix gives every rank the whole tensors' sums; the second pass applies
+each parameter's update scaled by its ratio, the same on every rank. Every rank issues that
+all-reduce for every unit it updates, whether or not its shard holds any of the unit's
+parameters, with a length set by the layout alone and in the order of the program's updates, so
+the ranks always pair the same collectives; the engine adds them to the collective sequence the
+ranks compare before each forward ([Note: one collective sequence] in `agreement.py`). The
+cost: 8 bytes per parameter (not per element) per step, and one collective's latency per unit.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from fxzero.config import Adagrad, Adam, AdamW, Lion, OptimizerPolicy
+from fxzero.config import Adagrad, Adam, AdamW, Lamb, Lion, OptimizerPolicy
 from fxzero.runtime.torch_updates import has_torch_update, torch_update
 
-__all__ = ["optim_step"]
+__all__ = ["WholeSums", "optim_step"]
+
+
+class WholeSums(NamedTuple):
+    """What an update that needs sums over whole parameters gets ([Note: sums over whole parameters])."""
+
+    ranges: list[tuple[int, int, int, int]]
+    """(lo, hi, group, slot) per parameter with elements in this shard (`UnitLayout.param_shard_ranges`)."""
+    params: int
+    """The unit's parameter count: the rows of the summed matrix, the same on every rank."""
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+    """Sums a tensor over the ranks, in place, and returns it once every rank's part is in."""
 
 
 @torch.no_grad()
 def optim_step(policy: OptimizerPolicy, param: torch.Tensor, grad: torch.Tensor, states: Sequence[torch.Tensor],
-               step: int, groups: list[dict], ranges: list[tuple[int, int, int]]) -> None:
+               step: int, groups: list[dict], ranges: list[tuple[int, int, int]],
+               whole: Optional[WholeSums] = None) -> None:
     """One update of flat `param` in place, with `policy`'s arithmetic.
 
     Args:
@@ -43,6 +73,8 @@ def optim_step(policy: OptimizerPolicy, param: torch.Tensor, grad: torch.Tensor,
         ranges: (lo, hi, group) element ranges to update; elements outside (parameters that got
             no gradient, padding) are left untouched, as torch.optim skips a parameter whose
             .grad is None.
+        whole: for a policy with `WHOLE_PARAMETER_SUMS`, the same elements per parameter and
+            the all-reduce of their sums; it updates from those (`ranges` unused).
 
     Raises:
         RuntimeError: a param group's options (set by a schedule, say) need a state the policy
@@ -50,11 +82,15 @@ def optim_step(policy: OptimizerPolicy, param: torch.Tensor, grad: torch.Tensor,
     """
     names = policy.states
     assert len(states) == len(names), (type(policy).__name__, len(states))
-    for g in sorted({g for _, _, g in ranges}):
+    for g in sorted({r[2] for r in (whole.ranges if whole is not None else ranges)}):
         try:
             policy.check_group(groups[g], f"param group {g}")
         except ValueError as e:
             raise RuntimeError(f"[rank {_rank()}] {e}") from None
+    if policy.WHOLE_PARAMETER_SUMS:
+        assert whole is not None, f"{type(policy).__name__} updates from sums over whole parameters"
+        _lamb(policy, param, grad, dict(zip(names, states)), step, groups, whole)
+        return
     update = _arithmetic(policy)
     for lo, hi, g in ranges:
         update(policy, param[lo:hi], grad[lo:hi], {n: s[lo:hi] for n, s in zip(names, states)}, step, groups[g])
@@ -133,3 +169,51 @@ def _lion(policy, param, grad, states, step: int, hp: dict) -> None:
         param.mul_(1 - lr * wd)
     param.add_(direction, alpha=-lr)
     exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+
+
+# -- LAMB ([Note: sums over whole parameters]) ----------------------------------------------------
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    return torch.dot(x, x) if x.dtype == torch.float32 else torch.dot(x.float(), x.float())
+
+
+def _lamb(policy: Lamb, param: torch.Tensor, grad: torch.Tensor, states: dict, step: int, groups: list[dict],
+          whole: WholeSums) -> None:
+    """`fxzero.Lamb` on a unit's shard: DeepSpeed's FusedLamb kernel per parameter, its two norms
+    summed from every rank's elements of it. Computes in the states' dtype, the parameter widened
+    to it where it is narrower ([Note: the update's dtype], as the element-wise updates)."""
+    exp_avg, exp_avg_sq = states["exp_avg"], states["exp_avg_sq"]
+    work = exp_avg.dtype
+    widen = param.dtype != work
+    update = _scratch(exp_avg)  # each element's update, between the two passes
+    sums = torch.zeros(whole.params, 2, dtype=torch.float32, device=param.device)  # |p|^2, |u|^2 per parameter
+    for lo, hi, g, i in whole.ranges:
+        hp = groups[g]
+        (beta1, beta2), eps, wd = hp["betas"], hp["eps"], hp["weight_decay"]
+        p, gr, m, v, u = param[lo:hi].to(work), grad[lo:hi].to(work), exp_avg[lo:hi], exp_avg_sq[lo:hi], update[lo:hi]
+        m.mul_(beta1).add_(gr, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(gr, gr, value=1 - beta2)
+        if policy.eps_inside_sqrt:
+            torch.add(v, eps, out=u).sqrt_()
+        else:
+            torch.sqrt(v, out=u).add_(eps)
+        torch.div(m, u, out=u)
+        if wd:
+            u.add_(p, alpha=wd)
+        sums[i, 0] = _sum_of_squares(p)
+        sums[i, 1] = _sum_of_squares(u)
+    norms = whole.reduce(sums).sqrt_()
+    # The kernel's ratio: |p| / |u| clamped from above, then from below, where both norms are
+    # nonzero; 1, unclamped, where either is 0.
+    nonzero = (norms[:, 0] != 0) & (norms[:, 1] != 0)
+    ratio = norms[:, 0] / norms[:, 1]
+    for lo, hi, g, i in whole.ranges:
+        hp = groups[g]
+        lr, (beta1, beta2) = hp["lr"], hp["betas"]
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if hp["bias_correction"] else lr
+        coeff = torch.where(nonzero[i], ratio[i].clamp(max=hp["max_coeff"]).clamp(min=hp["min_coeff"]), 1.0)
+        p = param[lo:hi].to(work) if widen else param[lo:hi]
+        p.addcmul_(update[lo:hi], coeff.mul_(step_size), value=-1)  # p - (step_size * coeff) * u, the kernel's order
+        if widen:
+            param[lo:hi].copy_(p)  # rounded back into the masters' dtype

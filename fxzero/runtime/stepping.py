@@ -13,6 +13,9 @@ The global norm is the square root of the sum over ranks of each rank's sum of s
 gradient shards (shards do not overlap, and padding and the gradients of parameters no output
 depends on are zero): one scalar all-reduce, after every gradient has arrived. As
 `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), applied when below 1.
+An update that needs norms of each whole parameter (LAMB) sums them from shards the same way,
+one number per parameter, through `sum_over_ranks` ([Note: sums over whole parameters] in
+`fxzero/runtime/optim.py`).
 """
 
 from __future__ import annotations
@@ -146,14 +149,20 @@ class StepControl:
                            "the gradient norm's sum of squares").item()
         return math.sqrt(total) * self.multiplier
 
-    def _wait(self, pending, what: str) -> torch.Tensor:
+    def sum_over_ranks(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """`t` summed over the ranks in place, for an update that needs sums over whole parameters
+        ([Note: sums over whole parameters] in `fxzero/runtime/optim.py`); counted in
+        `comm_report()` as an all_reduce. A timeout is an error naming `what`."""
+        return self._wait(self.comm.all_reduce(t), what, during="update")
+
+    def _wait(self, pending, what: str, during: str = "agreement") -> torch.Tensor:
         """A step collective's result; a timeout is an error naming it."""
         try:
             return pending.wait()
         except Exception as e:
             if is_timeout(e):
                 raise CollectiveTimeout(
-                    f"[rank {self.comm.rank}] a collective timed out in step {self.global_steps + 1}'s agreement "
+                    f"[rank {self.comm.rank}] a collective timed out in step {self.global_steps + 1}'s {during} "
                     f"({what}, one all-reduce over the ranks): the other ranks did not join it within "
                     f"Config.collective_timeout (a rank died, or went another way). {e}") from e
             raise

@@ -177,10 +177,10 @@ def test_stage_flag_overrides_the_config_file(runner, tmp_path, file_stage, flag
 def test_config_file_errors_are_one_line(runner, tmp_path):
     one_line_error(invoke(runner, "compile", "cnn", "--config", str(tmp_path / "missing.json"), ok=False),
                     "missing.json")
-    bad = tmp_path / "lamb.json"
-    bad.write_text(json.dumps({"optimizer": {"type": "Lamb"}}))
+    bad = tmp_path / "onebitlamb.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "OneBitLamb"}}))
     one_line_error(invoke(runner, "compile", "cnn", "--config", str(bad), ok=False),
-                    "optimizer type 'Lamb' is not supported")
+                    "optimizer type 'OneBitLamb' is not supported")
 
 
 def _forward_output(schedule):

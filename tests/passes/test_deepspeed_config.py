@@ -90,8 +90,8 @@ def test_unknown_and_misspelled_keys_are_errors_naming_the_nearest(ds, message):
 
 
 def test_unsupported_optimizer_type():
-    with pytest.raises(ValueError, match=r"optimizer type 'Lamb' is not supported"):
-        Config.from_deepspeed({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
+    with pytest.raises(ValueError, match=r"optimizer type 'OneBitLamb' is not supported"):
+        Config.from_deepspeed({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}}})
 
 
 def test_adam_is_adamw_unless_adam_w_mode_is_false():
@@ -112,8 +112,8 @@ def test_adam_is_adamw_unless_adam_w_mode_is_false():
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      r"offload_optimizer.ratio=0.3 is not supported by fxzero: fxzero offloads all"),
     ({"zero_optimization": {"zero_quantized_weights": True}}, r"zero_quantized_weights=true is not supported"),
-    ({"optimizer": {"type": "Lamb"}}, r"optimizer type 'Lamb' is not supported \(LAMB scales each parameter's "
-                                      r"update by its own norm ratio"),
+    ({"optimizer": {"type": "Muon"}}, r"optimizer type 'Muon' is not supported \(Muon orthogonalizes each "
+                                      r"weight matrix whole"),
     ({"optimizer": {"type": "sgd"}}, r"optimizer type 'sgd' is not supported .* 'SGD'"),
     ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, r"no 'betas' for SGD"),
     ({"optimizer": {"type": "Adam", "params": {"amsgrad": True, "bias_correction": False}}},
