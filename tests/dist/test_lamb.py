@@ -1,6 +1,6 @@
 """DeepSpeed's "Lamb" (FusedLamb) on gloo ranks: ZeRO-1, 2 and 3 on 2 ranks and on 1, optimizer
-states offloaded, updates inside the backward, and bfloat16 mixed precision, each against LAMB
-on whole tensors.
+states offloaded, updates inside the backward, bfloat16 and float16 (loss-scaled) mixed precision,
+each against LAMB on whole tensors.
 
 Every run is a DeepSpeed config, read as `fxzero.initialize` reads it, with two param groups (the
 matrices with weight decay; norms, biases and a parameter whose gradient is always 0 without),
@@ -13,17 +13,17 @@ cover what the trust ratio can be: clamped from above (the norms' weights of one
 (a head scaled down), within the bounds, 1 for a weight of norm 0 (the zero-initialized biases of
 the norms, at the first step) and 1 for an update of norm 0 (that parameter: not moved).
 
-bfloat16 computes the forward in another precision than the eager fp32 model, so there the check
-is per step and exact: the update each step makes to the fp32 masters, from the gradients,
-masters and states fxzero holds (read whole with `fxzero.utils`), against `ReferenceLamb`'s step
-from the same values.
+Mixed precision computes the forward in another precision than the eager fp32 model, so there
+the check is per step and exact: the update each step makes to the fp32 masters, from the
+gradients (unscaled: float16's loss scale divided out), masters and states fxzero holds (read
+whole with `fxzero.utils`), against `ReferenceLamb`'s step from the same values.
 
 Tolerances: fp32 runs compare the per-step losses within 1e-5 relative and the parameters within
 FP32_ATOL absolute after the steps. The two sides sum each batch's loss, each gradient and each
 norm in different orders (over 2 ranks' halves, over shards), so they part by fp32 rounding: a
 couple of ulps of weights of magnitude ~1 (1.2e-7 each) over the steps (measured: at most 3e-8).
-The per-step bfloat16 check takes the same values on both sides: its masters within FP32_ATOL
-too (measured: at most 1.5e-8).
+The per-step mixed-precision checks take the same values on both sides: their masters within
+FP32_ATOL too (measured: at most 3e-8).
 """
 
 from __future__ import annotations
@@ -180,10 +180,16 @@ def _result(engine, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _bf16_steps(rank: int, world: int) -> list[dict[str, Any]]:
+MIXED = {"bf16": {"bf16": {"enabled": True}},
+         "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+"""The mixed-precision sections checked step by step (float16 with dynamic loss scaling, as the
+bing_bert LAMB config; a scale small enough that no step of this model overflows)."""
+
+
+def _mixed_steps(rank: int, world: int, precision: str) -> list[dict[str, Any]]:
     """Per step: the masters, states and gradients before `step()` and the masters after, whole."""
     config = _config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                      "bf16": {"enabled": True}})
+                      **MIXED[precision]})
     engine, (_, batches) = _engine(config), _problem()
     named = list(engine.module.named_parameters())
     records = []
@@ -196,6 +202,7 @@ def _bf16_steps(rank: int, world: int) -> list[dict[str, Any]]:
         engine.step()
         after = {n: utils.safe_get_full_fp32_param(p).clone() for n, p in named}
         records.append({"before": before, "grads": grads, "states": states, "after": after,
+                        "applied": engine.was_step_applied(),
                         "compute_dtype": next(iter(engine.state.low.values())).dtype if engine.state.low else None})
     engine.close()
     return records
@@ -216,7 +223,8 @@ def _step_in_backward(rank: int, world: int, nvme_dir: str) -> dict[str, Any]:
 
 def _two_ranks(rank: int, world: int, nvme_root: str) -> dict[str, Any]:
     out = {name: _result(_engine(_config(extra)), rank, world) for name, extra in SCENARIOS.items()}
-    out["bf16"] = _bf16_steps(rank, world)
+    for precision in MIXED:
+        out[precision] = _mixed_steps(rank, world, precision)
     nvme_dir = os.path.join(nvme_root, "step-in-backward")
     if rank == 0:
         for sub in ("params", "states"):
@@ -309,9 +317,11 @@ def test_lamb_on_one_rank(one, scenario):
 
 
 @pytest.mark.timeout(600)
-def test_bf16_each_step_is_lambs_step_on_the_fp32_masters(runs):
-    records = runs[0]["bf16"]
-    assert records[0]["compute_dtype"] == torch.bfloat16
+@pytest.mark.parametrize("precision", list(MIXED))
+def test_mixed_precision_each_step_is_lambs_step_on_the_fp32_masters(runs, precision):
+    records = runs[0][precision]
+    assert records[0]["compute_dtype"] == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert all(rec["applied"] for rec in records), "a step was skipped (a float16 overflow): lower the scale"
     for step, rec in enumerate(records, start=1):
         names = list(rec["before"])
         params = {n: nn.Parameter(rec["before"][n].clone()) for n in names}
@@ -327,4 +337,4 @@ def test_bf16_each_step_is_lambs_step_on_the_fp32_masters(runs):
         opt.step()
         for n in names:
             torch.testing.assert_close(rec["after"][n], params[n].detach().view_as(rec["after"][n]), rtol=0,
-                                       atol=FP32_ATOL, msg=lambda m, n=n: f"bf16 step {step}: {n}: {m}")
+                                       atol=FP32_ATOL, msg=lambda m, n=n: f"{precision} step {step}: {n}: {m}")
