@@ -23,6 +23,7 @@ _EXPORTS = {
     "Adam": "fxzero.config",
     "AdamW": "fxzero.config",
     "Adamax": "fxzero.config",
+    "Autocast": "fxzero.config",
     "Bucket": "fxzero.config",
     "CompiledProgram": "fxzero.schedule.compiled",
     "Config": "fxzero.config",

@@ -129,8 +129,8 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
         local = ranks_per_host(comm) if on_disk and comm.world_size > 1 else None  # (they share its disk)
         store = OffloadStore(config.offload, comm.rank, config.optimizer, local_ranks=local)
         mp = config.mixed_precision
-        store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.param_dtype if mp is not None else None,
-                                     config.optimizer))
+        store.reserve(bytes_on_tiers(config.offload, layouts, whole, mp.low_dtype if mp is not None else None,
+                                     config.optimizer, state_dtype=mp.optimizer_dtype if mp is not None else None))
         if store.offloaded("param"):
             spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
     params, buffers = materialize(
@@ -138,9 +138,11 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
         seed=record.rng_state if record is not None else config.seed,
         spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision),
     )
-    state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, rank_of_shards=comm.rank, store=store)
-    if config.mixed_precision is not None:
-        _split_masters(state, config.mixed_precision.param_dtype, comm.rank)
+    mp = config.mixed_precision
+    state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, rank_of_shards=comm.rank, store=store,
+                      optimizer_dtype=mp.optimizer_dtype if mp is not None else None)
+    if mp is not None and mp.low_dtype is not None:
+        _split_masters(state, mp.low_dtype, comm.rank)
     compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model, comm.rank)
     engine = Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
                     optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
@@ -159,11 +161,11 @@ def _report_batch(config: Config, batch: BatchSizes, world_size: int) -> None:
 
 
 def _spill(store: OffloadStore, mp, unit: str, shard: torch.Tensor) -> None:
-    """A materialized parameter shard straight to its tier: the fp32 master, and with mixed
-    precision its low-precision copy beside it."""
+    """A materialized parameter shard straight to its tier: the master, and with mixed precision
+    and fp32 masters its low-precision copy beside it."""
     store.put("param", unit, shard)
-    if mp is not None and shard.is_floating_point():
-        store.put("low", unit, shard.to(mp.param_dtype))
+    if mp is not None and mp.low_dtype is not None and shard.is_floating_point():
+        store.put("low", unit, shard.to(mp.low_dtype))
 
 
 def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:

@@ -306,12 +306,14 @@ def _records(gm: fx.GraphModule, root_unit: str) -> list[dict]:
     return records
 
 
-def memory_record(compiled, stage: int, optimizer=None) -> dict:
-    """Model states (runtime accounting, for `optimizer`'s states: default AdamW's) and
-    per-instruction live bytes of every program."""
+def memory_record(compiled, stage: int, optimizer=None, mixed_precision=None) -> dict:
+    """Model states (runtime accounting, for `optimizer`'s states: default AdamW's; under
+    `mixed_precision`, its dtypes) and per-instruction live bytes of every program."""
     schedule = compiled.schedule
     persistent = frozenset(getattr(schedule, "persistent", ()))
     kwargs = {"optimizer": optimizer} if optimizer is not None else {}
+    if mixed_precision is not None:
+        kwargs.update(precision="mixed", mixed_precision=mixed_precision)
     states = estimate.runtime_model_states(schedule.units, stage, persistent=persistent, **kwargs)
     programs: dict[str, dict[str, list[int]]] = {}
     layouts = {u.name: u for u in schedule.units}
@@ -383,6 +385,7 @@ def record(
         schedule=schedule,
         pass_trace=[r.to_json() for r in compiled.pass_trace],
         graph=graph_record(compiled.joint, root_unit, compiled.programs["step"].gm if "step" in compiled.programs else None),
-        memory=memory_record(compiled, schedule.stage, getattr(config, "optimizer", None)),
+        memory=memory_record(compiled, schedule.stage, getattr(config, "optimizer", None),
+                             getattr(config, "mixed_precision", None)),
         code=compiled.joint.code,
     )

@@ -143,9 +143,10 @@ def runtime_model_states(
     With precision "fp32" the bytes per element are the layouts' own dtype (what the runtime
     really holds); with "mixed" they are what the engine holds under `mixed_precision` (default
     `MixedPrecision(reduce_dtype=None)`, the paper's 2 + 2 + 12: the low-precision copy, the
-    gradient in the reduce dtype, the fp32 master and two moments), on the same padded layouts.
-    The optimizer's states are `optimizer`'s (AdamW's two moments by default; Adagrad's one sum),
-    each in the layouts' dtype (fp32).
+    gradient in the reduce dtype, the fp32 master and two moments), on the same padded layouts:
+    its `master_dtype` (fp32, or the compute dtype, when the masters are the compute copy and no
+    second copy is held: [Note: low-precision masters]) and its `optimizer_dtype` for the states.
+    The optimizer's states are `optimizer`'s (AdamW's two moments by default; Adagrad's one sum).
     A frozen unit keeps its fp32 values beside its low-precision copy (what its state dict is
     made from), counted with the parameters. Stage 0 (no ZeRO) counts every parameter once,
     unpadded, as plain data parallelism does.
@@ -161,8 +162,10 @@ def runtime_model_states(
             p, g, o = u.itemsize, u.itemsize, states * u.itemsize
         else:
             p, g = mixed_precision.param_dtype.itemsize, mixed_precision.grad_dtype.itemsize
-            o = (1 + states) * u.itemsize  # the fp32 master and the optimizer's states
-            frozen_master = 0 if u.trainable else u.itemsize
+            # A master apart from the compute copy (fp32 masters), and the optimizer's states:
+            master = mixed_precision.master_dtype.itemsize if mixed_precision.low_dtype is not None else 0
+            o = master + states * mixed_precision.optimizer_dtype.itemsize
+            frozen_master = 0 if u.trainable else master
         if stage == 0:
             full = shard = u.numel
             whole_params = True

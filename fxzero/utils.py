@@ -163,7 +163,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     state = binding.state
     layout, slot = binding.slot[fqn]
     lo, hi = layout.shard_range(binding.comm.rank)
-    full = value.reshape(-1).to(layout.dtype)
+    full = value.reshape(-1).to(state.state_dtype(layout.name))
     offloaded = state.store is not None and state.store.offloaded(optim_state_key)
     shard = (state.store.get(optim_state_key, layout.name) if offloaded
              else state.optimizer_state(layout.name, optim_state_key, policy.initial_value(optim_state_key)))

@@ -4,7 +4,7 @@
   `optimizers` (`OptimizerPolicy`: `AdamW`, `Adam`, `Adamax`, `NAdam`, `RAdam`, `Adagrad`, `SGD`,
   `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`, `Lamb`);
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
-- `precision`: `MixedPrecision` and float16's `LossScale`;
+- `precision`: `MixedPrecision`, float16's `LossScale`, and `Autocast`;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
@@ -13,7 +13,7 @@ from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload
 from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Bucket,
                                     Lamb, LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
                                     UnitsPolicy)
-from fxzero.config.precision import LossScale, MixedPrecision
+from fxzero.config.precision import Autocast, LossScale, MixedPrecision
 
 __all__ = [
     "OPTIMIZERS",
@@ -25,6 +25,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "Adamax",
+    "Autocast",
     "Bucket",
     "Config",
     "Cpu",

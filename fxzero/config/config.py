@@ -20,10 +20,12 @@ import dataclasses
 import os
 from typing import Any, Literal, Optional, Union
 
+import torch
+
 from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
-from fxzero.config.precision import MixedPrecision
+from fxzero.config.precision import Autocast, MixedPrecision
 from fxzero.config.policies import OPTIMIZERS, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
 from fxzero.config.random_ltd import RandomLTD
 
@@ -111,8 +113,11 @@ class Config:
     """Every n optimizer steps, each rank logs the step, loss, lr, loss scale, step time and memory
     (DeepSpeed's log line); None: no log line."""
     mixed_precision: Optional[MixedPrecision] = None
-    """Compute and gather in bfloat16 or float16 with fp32 master shards (`fxzero.MixedPrecision`);
-    None trains in the model's own dtype (fp32)."""
+    """Compute and gather in bfloat16 or float16, with fp32 master shards or masters in that dtype
+    (`fxzero.MixedPrecision`); None trains in the model's own dtype (fp32)."""
+    autocast: Optional[Autocast] = None
+    """Run the model under torch.autocast (`fxzero.Autocast`, DeepSpeed's "torch_autocast");
+    None: under whatever autocast the caller entered, if any."""
     program_cache_size: int = 16
     """Compiled programs an engine keeps: one per input structure, constants, shapes, module
     modes, autocast and grad mode it was called with. Past it the least recently used program is
@@ -161,6 +166,17 @@ class Config:
                 f"Config.mixed_precision must be a fxzero.MixedPrecision or None, got {type(self.mixed_precision).__name__}"
             )
         mp = self.mixed_precision
+        if self.autocast is not None and not isinstance(self.autocast, Autocast):
+            raise TypeError(f"Config.autocast must be a fxzero.Autocast or None, got {type(self.autocast).__name__}")
+        if self.autocast is not None and self.autocast.dtype is torch.float16 and (
+                mp is None or mp.param_dtype is not torch.float16):
+            raise ValueError("Config(autocast=Autocast(dtype=torch.float16)) needs loss scaling to keep float16 "
+                             "gradients representable, which fxzero gives with "
+                             "mixed_precision=MixedPrecision(param_dtype=torch.float16); set that, or autocast to "
+                             "torch.bfloat16")
+        if self.autocast is not None and mp is not None and self.autocast.dtype is not mp.param_dtype:
+            raise ValueError(f"Config.autocast.dtype {self.autocast.dtype} and mixed_precision.param_dtype "
+                             f"{mp.param_dtype} differ: autocast to the compute dtype")
         if mp is not None and mp.loss_scale is not None and self.offload.step_in_backward:
             raise ValueError(
                 "Config(mixed_precision=MixedPrecision(param_dtype=torch.float16)) checks every step's gradients "

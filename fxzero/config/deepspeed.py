@@ -33,7 +33,7 @@ from fxzero.config.deepspeed_keys import (
     AUTO_IMPLIED, ELEMENTWISE_TORCH, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
 from fxzero.config.policies import Adagrad, Adam, AdamW, Lamb, Lion, OptimizerPolicy, Prefetch
-from fxzero.config.precision import LossScale, MixedPrecision
+from fxzero.config.precision import Autocast, LossScale, MixedPrecision
 from fxzero.config.random_ltd import random_ltd_from_deepspeed
 from fxzero.config.schedules import schedule_from_deepspeed
 
@@ -287,6 +287,70 @@ def _mixed_precision(get: Any, notes: list[str]) -> "MixedPrecision | None":
                           loss_scale=scale)
 
 
+def _low_precision_masters(get: Any, mp: "MixedPrecision | None", offload: Offload,
+                           notes: list[str]) -> "MixedPrecision | None":
+    """"bf16.bf16_master_weights_and_grads" / "bf16.bf16_optimizer_states" -> the masters' and the
+    optimizer states' dtypes ([Note: low-precision masters] in `fxzero/config/precision.py`), with
+    DeepSpeed 0.19.8's own conditions (`DeepSpeedConfig._do_error_check`,
+    `ZeROOptimizer._configure_master_weights`): ZeRO stage 1-3, and the states only with the
+    masters. DeepSpeed runs bf16 masters with fp32 states only with the optimizer offloaded to the
+    cpu (DeepSpeedCPUAdam); fxzero runs them on any tier, said once."""
+    masters, states = bool(get("bf16.bf16_master_weights_and_grads")), bool(get("bf16.bf16_optimizer_states"))
+    if not (masters or states):
+        return mp
+    if states and not masters:
+        raise ValueError("DeepSpeed config: bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads "
+                         "(as DeepSpeed: bfloat16 states with fp32 masters are not a DeepSpeed mode); set both")
+    if mp is None or mp.param_dtype is not torch.bfloat16:
+        raise ValueError("DeepSpeed config: bf16.bf16_master_weights_and_grads needs bfloat16 training: set "
+                         '"bf16": {"enabled": true} (the masters are the bfloat16 parameters)')
+    if get("zero_optimization.stage") == 0:
+        raise ValueError("DeepSpeed config: bf16.bf16_master_weights_and_grads is for ZeRO stages 1, 2 and 3 (DeepSpeed "
+                         'refuses it at stage 0); set "zero_optimization": {"stage": 1} or higher')
+    if not states and not offload.offloaded("optimizer"):
+        notes.append("bf16.bf16_master_weights_and_grads without bf16_optimizer_states: bfloat16 masters with fp32 "
+                     "optimizer states on the device (DeepSpeed runs this only with offload_optimizer on the cpu, "
+                     "DeepSpeedCPUAdam with fp32_optimizer_states); the update widens each parameter to fp32 as "
+                     "DeepSpeedCPUAdam does")
+    if mp.reduce_dtype is torch.float32:
+        notes.append('bf16.bf16_master_weights_and_grads with "communication_data_type": "fp32": gradients are '
+                     "reduced and held in fp32 (4 bytes each) until the update rounds them to bfloat16; DeepSpeed "
+                     "rounds them into its bfloat16 gradient partition as they are reduced")
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=mp.reduce_dtype, master_dtype=torch.bfloat16,
+                          optimizer_dtype=torch.bfloat16 if states else torch.float32)
+
+
+def _autocast(ds: dict[str, Any], get: Any, mp: "MixedPrecision | None", notes: list[str]) -> "Autocast | None":
+    """"torch_autocast" -> `Autocast`: DeepSpeed's engine runs its forward under
+    torch.autocast(<accelerator>, dtype) (`runtime/torch_autocast.py`, `autocast_if_enabled`)."""
+    if not get("torch_autocast.enabled"):
+        return None
+    named = (ds.get("torch_autocast") or {}).get("dtype")
+    if named is None:
+        raise ValueError('DeepSpeed config: "torch_autocast" is enabled with no "dtype": DeepSpeed then autocasts to '
+                         'the device\'s default (float16 on CUDA, bfloat16 on a CPU); name it, e.g. "dtype": '
+                         '"torch.bfloat16"')
+    dtype = {**{f"torch.{k}": v for k, v in _COMM_DTYPES.items()}, **_COMM_DTYPES, "half": torch.float16,
+             "torch.half": torch.float16}.get(str(named).lower())
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f'DeepSpeed config: torch_autocast.dtype {named!r}: autocast runs in "torch.bfloat16" or '
+                         '"torch.float16"; name one of them')
+    if dtype is torch.float16 and (mp is None or mp.param_dtype is not torch.float16):
+        raise ValueError('DeepSpeed config: torch_autocast to float16 without "fp16" enabled: DeepSpeed then scales '
+                         "the loss with torch's GradScaler, and fxzero scales it only under its float16 mixed "
+                         'precision; enable "fp16", or autocast to "torch.bfloat16"')
+    if mp is not None and dtype is not mp.param_dtype:
+        raise ValueError(f'DeepSpeed config: torch_autocast.dtype {named!r} and the enabled '
+                         f'"{"bf16" if mp.param_dtype is torch.bfloat16 else "fp16"}" section differ; autocast to '
+                         "the dtype the model computes in")
+    if mp is None:
+        notes.append("torch_autocast with an fp32 model: autocast casts in the program, and fxzero gathers and "
+                     "reduces the fp32 parameters and gradients in fp32; DeepSpeed moves those of its "
+                     "lower_precision_safe_modules (Linear, Conv by default) in the autocast dtype (half the bytes, "
+                     "gradients summed in it)")
+    return Autocast(dtype=dtype)
+
+
 def _int_or_none(get: Any, key: str) -> "int | None":
     v = get(key)
     if v is None:
@@ -375,7 +439,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         raise ValueError(f"DeepSpeed config: gradient_clipping must be a number >= 0 (0: no clipping), got {clip!r}")
     fields = dict(
         stage=stage, persist_threshold=threshold, offload=offload, prefetch=prefetch,
-        mixed_precision=_mixed_precision(get, notes),
+        mixed_precision=_low_precision_masters(get, _mixed_precision(get, notes), offload, notes),
         train_batch_size=_int_or_none(get, "train_batch_size"),
         train_micro_batch_size_per_gpu=_int_or_none(get, "train_micro_batch_size_per_gpu"),
         gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),
@@ -385,6 +449,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(get("dataloader_drop_last")),
     )
+    fields["autocast"] = _autocast(ds, get, fields["mixed_precision"], notes)
     random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
     if random_ltd is not None:
         fields["random_ltd"] = random_ltd

@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "bf16.check_grad_overflow": True,
     "bf16.bf16_master_weights_and_grads": False,
     "bf16.bf16_optimizer_states": False,
+    "torch_autocast.enabled": False,  # (runtime/constants.py; its dtype has none: the device's autocast default)
     # zero/config.py: DeepSpeedZeroConfig
     "zero_optimization.stage": 0,
     "zero_optimization.contiguous_gradients": True,

@@ -159,19 +159,34 @@ KEYS: dict[str, Key] = {
                             "node), as auto_cast true does; with false DeepSpeed leaves them as given"),
     "fp16.fp16_master_weights_and_grads": _off("float16 master weights and gradients are not in fxzero, which keeps "
                                                "fp32 masters and gradients (what the update reads)"),
-    "bf16": _section("bfloat16 compute with fp32 masters (\"bfloat16\" is the same section)"),
+    "bf16": _section("bfloat16 compute, with fp32 or bfloat16 masters (\"bfloat16\" is the same section)"),
     "bf16.enabled": _used("MixedPrecision(param_dtype=torch.bfloat16)"),
     "bf16.immediate_grad_update": _none("fxzero reduces each unit's gradient as the backward produces it"),
     "bf16.check_grad_overflow": _none("fxzero checks the loss for non-finite values at every bfloat16 step"),
-    "bf16.bf16_master_weights_and_grads": _off("bfloat16 master weights and gradients are not in fxzero, which keeps "
-                                               "fp32 masters and gradients (what the update reads)"),
-    "bf16.bf16_optimizer_states": _off("bfloat16 optimizer states are not in fxzero, which keeps them in fp32"),
+    "bf16.bf16_master_weights_and_grads": _used("true: MixedPrecision(master_dtype=torch.bfloat16): the bfloat16 "
+                                                "parameters are the masters the update writes (no fp32 copy), their "
+                                                "gradients bfloat16 (reduced in bf16 unless communication_data_type "
+                                                "is \"fp32\"); ZeRO stages 1-3, as DeepSpeed. Without "
+                                                "bf16_optimizer_states the states stay fp32, on any tier (DeepSpeed: "
+                                                "only offloaded to the cpu; said once)"),
+    "bf16.bf16_optimizer_states": _used("true: MixedPrecision(optimizer_dtype=torch.bfloat16): the optimizer's "
+                                        "states in bfloat16, on any tier; needs bf16_master_weights_and_grads, "
+                                        "as DeepSpeed"),
     "communication_data_type": _used("missing or null (DeepSpeed's default): gradients reduced in the compute dtype "
                                      "(MixedPrecision.reduce_dtype=None), as DeepSpeed; \"fp32\": in fp32; "
                                      "\"bf16\"/\"fp16\": the compute dtype, named"),
     "seq_parallel_communication_data_type": _none(_PARALLEL),
-    "torch_autocast": _off("fxzero's mixed precision casts parameters (\"bf16\"/\"fp16\" sections); use those, or "
-                           "torch.autocast in the model", honoured=({}, {"enabled": False})),
+    "torch_autocast": _section("the engine's forward under torch.autocast (fxzero.Autocast)"),
+    "torch_autocast.enabled": _used("true: Config.autocast=Autocast(dtype): every engine call runs under "
+                                    "torch.autocast(<device type>, dtype), the caller's autocast replaced, as "
+                                    "DeepSpeed's engine does; the program is traced under it"),
+    "torch_autocast.dtype": _used("Autocast.dtype: \"bfloat16\" (any of DeepSpeed's names for it), or "
+                                  "\"float16\" with \"fp16\" enabled (its loss scaling); required (DeepSpeed's "
+                                  "missing dtype is the device's autocast default)"),
+    "torch_autocast.lower_precision_safe_modules": _none("fxzero gathers and reduces every parameter in the dtype it "
+                                                         "is held in; DeepSpeed moves these modules' parameters and "
+                                                         "gradients (Linear, Conv by default) in the autocast dtype, "
+                                                         "which differs only for an fp32 model"),
     "data_types": _section("dtypes of accumulation buffers"),
     "data_types.grad_accum_dtype": _off("fxzero accumulates gradients in fp32", honoured=(None, "fp32")),
     "data_types.param_dtype": _off("fxzero's compute dtype is the \"bf16\"/\"fp16\" section's", honoured=None),

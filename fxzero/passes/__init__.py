@@ -30,9 +30,10 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     persistent = persistent_units(config, layouts)
     mp = config.mixed_precision
     states = config.optimizer.states  # what the step keeps per element ([Note: optimizer states])
-    tiers = config.offload.tiers(mixed_precision=mp is not None, optimizer=config.optimizer)
+    low = mp.low_dtype if mp is not None else None  # (None: the masters are what the forward gathers)
+    state_dtype = mp.optimizer_dtype if mp is not None else None  # (None: the masters' own)
+    tiers = config.offload.tiers(mixed_precision=low is not None, optimizer=config.optimizer)
     lookahead = config.offload.lookahead
-    low = mp.param_dtype if mp is not None else None
     passes = [
         partition.make(persistent=persistent),
         separate_phases.PASS,
@@ -48,7 +49,7 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         if config.offload.step_in_backward:
             passes.append(step_in_backward.make(states=states, params=tiers["param"],
                                                 optimizer=config.offload.optimizer.tier, lookahead=lookahead,
-                                                cost_model=cost_model, low_dtype=low))
+                                                cost_model=cost_model, low_dtype=low, state_dtype=state_dtype))
     elif config.prefetch is not None and config.prefetch.keep_for_backward is not False:
         # (With offloaded parameters the backward's gathers stay: they read the shards an update
         # in the backward writes; the fetched shards are kept instead.)
@@ -61,6 +62,6 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         canonicalize.PASS,
         split.PASS,
         step_program.make(states=states, tiers=tiers, lookahead=lookahead, persistent=persistent, low_dtype=low,
-                          grad_dtype=mp.grad_dtype if mp is not None else None),
+                          grad_dtype=mp.grad_dtype if mp is not None else None, state_dtype=state_dtype),
     ]
     return passes

@@ -45,7 +45,8 @@ PROVIDES = frozenset({"updated_in_backward"})
 
 def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str, ...], params: str,
                           optimizer: str, lookahead: int, cost_model=None,
-                          low_dtype: Optional[torch.dtype] = None) -> PassResult:
+                          low_dtype: Optional[torch.dtype] = None,
+                          state_dtype: Optional[torch.dtype] = None) -> PassResult:
     """Fuse each sharded unit's optimizer update into the backward (see the module doc).
 
     Args:
@@ -54,6 +55,8 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple
         low_dtype: mixed precision's: the backward's shard is the low-precision copy; the update
             reads the fp32 master ("param") ahead with the optimizer states, casts it into that
             shard and writes both back.
+        state_dtype: the optimizer states' dtype (`MixedPrecision.optimizer_dtype`); None: the
+            masters' (the layout's).
     """
     graph = gm.graph
     mp = low_dtype is not None
@@ -103,9 +106,10 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple
         read = states + (("param",) if mp else ())
         with graph.inserting_after(fetch_param):
             for state in reversed(read):  # inserted in reverse: the first state comes first
-                f = graph.call_function(OPS["fetch"], (unit, state, layout.shard_numel, layout.dtype))
+                dtype = layout.dtype if state == "param" or state_dtype is None else state_dtype
+                f = graph.call_function(OPS["fetch"], (unit, state, layout.shard_numel, dtype))
                 tag(f, kind="fetch", unit=unit, phase=BACKWARD, state=state, tier=params if state == "param" else optimizer)
-                f.meta["val"] = torch.empty(layout.shard_numel, dtype=layout.dtype, device="meta")
+                f.meta["val"] = torch.empty(layout.shard_numel, dtype=dtype, device="meta")
                 fetches.insert(0, f)
         done = []
         first_write = None
@@ -175,11 +179,11 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple
 
 
 def make(*, states: tuple[str, ...], params: str, optimizer: str, lookahead: int, cost_model=None,
-         low_dtype: Optional[torch.dtype] = None) -> Pass:
+         low_dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_in_backward",
         functools.partial(step_in_backward_pass, states=states, params=params, optimizer=optimizer,
-                          lookahead=lookahead, cost_model=cost_model, low_dtype=low_dtype),
+                          lookahead=lookahead, cost_model=cost_model, low_dtype=low_dtype, state_dtype=state_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

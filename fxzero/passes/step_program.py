@@ -21,12 +21,14 @@ held whole (ZeRO-1/2, or under the persistence threshold) updates this rank's sl
 buffer and then gathers every rank's slice into it: `wait(all_gather_into(unit_u, "u", world))`.
 
 [Note: master and low]
-With mixed precision a unit's parameters live twice on this rank: the fp32 master shard, which
-the optimizer updates with its fp32 states (the placeholder `unit_u`), and the copy in the compute dtype
+With mixed precision and fp32 masters a unit's parameters live twice on this rank: the fp32 master
+shard, which the optimizer updates with its states (the placeholder `unit_u`), and the copy in the compute dtype
 that the forward and backward gather (`low_unit_u`: this rank's shard, or a unit held whole's full
 buffer). After the update the master is cast into it, once per step and on the shard only
 (`cast_into(low_unit_u, unit_u, "u")`); a unit held whole then gathers every rank's slice of it, in
-the compute dtype.
+the compute dtype. With masters in the compute dtype ([Note: low-precision masters] in
+`fxzero/config/precision.py`) there is no copy: the program is fp32 training's, in that dtype.
+The optimizer states' placeholders and fetches carry their own dtype (`state_dtype`).
 
 [Note: gradients carried into the step]
 The backward's last reduce-scatters (the embedding's, issued after the last compute) would
@@ -122,7 +124,8 @@ def _fake(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str, ...], tiers: dict[str, str],
                       lookahead: int, persistent: frozenset[str], low_dtype: Optional[torch.dtype] = None,
-                      grad_dtype: Optional[torch.dtype] = None) -> PassResult:
+                      grad_dtype: Optional[torch.dtype] = None, state_dtype: Optional[torch.dtype] = None
+                      ) -> PassResult:
     """Build `ctx.programs["step"]`; move the backward's trailing gradient waits into it.
 
     Args:
@@ -135,6 +138,8 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
             cast from the master after the update ([Note: master and low] above).
         grad_dtype: the dtype gradients are reduced in and held (mixed precision's reduce dtype,
             or its compute dtype when gradients are reduced in it); None: each unit's own.
+        state_dtype: the optimizer states' dtype (`MixedPrecision.optimizer_dtype`); None: each
+            unit's own (its masters').
     """
     backward = ctx.programs["backward"]
     in_backward = frozenset(ctx.outputs.get("updated_in_backward", ()))
@@ -149,6 +154,14 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
     def grad_of(layout: UnitLayout) -> torch.dtype:
         """What the backward left the unit's gradient in (the update casts it to the master's)."""
         return grad_dtype if grad_dtype is not None and layout.dtype.is_floating_point else layout.dtype
+
+    def dtype_of(layout: UnitLayout, kind: str) -> torch.dtype:
+        """The dtype state `kind` of the unit is held in (gradients on a tier: the masters')."""
+        if kind == "low":
+            return low_dtype
+        if kind in states and state_dtype is not None:
+            return state_dtype
+        return layout.dtype
 
     def fetched(layout: UnitLayout) -> list[str]:
         # With mixed precision and offloaded parameters the low-precision shard is read too, as the
@@ -180,7 +193,7 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
             if state not in on_tier:
                 resident[state, lay.name] = b.placeholder(
                     re.sub(r"\W", "_", f"{state}_{lay.name}"), "optim_state", (state, lay.name), lay.name,
-                    _fake(lay.shard_numel, lay.dtype), state=state)
+                    _fake(lay.shard_numel, dtype_of(lay, state)), state=state)
 
     reads: dict[str, dict[str, fx.Node]] = {}  # unit -> state -> its fetch
     writes: dict[str, list[tuple[fx.Node, fx.Node]]] = {}  # unit -> (offload, the buffer it wrote)
@@ -188,7 +201,7 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
         lay = units[i]
         u = lay.name
         if event == "issue":
-            dtype = {k: low_dtype if k == "low" else lay.dtype for k in fetched(lay)}  # (gradients on a tier: fp32)
+            dtype = {k: dtype_of(lay, k) for k in fetched(lay)}
             reads[u] = {k: b.call("fetch", (u, k, lay.shard_numel, dtype[k]), "fetch", u,
                                   _fake(lay.shard_numel, dtype[k]), state=k, tier=tiers[k])
                         for k in fetched(lay)}
@@ -223,11 +236,12 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
 
 
 def make(*, states: tuple[str, ...], tiers: dict[str, str], lookahead: int, persistent: frozenset[str],
-         low_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None) -> Pass:
+         low_dtype: Optional[torch.dtype] = None, grad_dtype: Optional[torch.dtype] = None,
+         state_dtype: Optional[torch.dtype] = None) -> Pass:
     return Pass(
         "step_program",
         functools.partial(step_program_pass, states=states, tiers=tiers, lookahead=lookahead, persistent=persistent,
-                          low_dtype=low_dtype, grad_dtype=grad_dtype),
+                          low_dtype=low_dtype, grad_dtype=grad_dtype, state_dtype=state_dtype),
         requires=REQUIRES,
         provides=PROVIDES,
     )

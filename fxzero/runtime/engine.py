@@ -291,6 +291,12 @@ class Engine:
                                "build a new engine (fxzero.compile) and load a good checkpoint")
         if self._random_ltd is not None:  # the schedule's step, and the kept count as an input (routing.py)
             args, kwargs = self._random_ltd.call(self._model, args, kwargs, self.global_steps, self.device)
+        if self.config.autocast is not None:  # (DeepSpeed's "torch_autocast": the caller's autocast replaced)
+            with torch.autocast(self.device.type, dtype=self.config.autocast.dtype):
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         leaves, spec = flatten_call(args, kwargs)
         if self._requires_grad.changed(self.rank):
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])

@@ -16,6 +16,15 @@ belong to one group, and the update reads that group's hyperparameters (the poli
 `HYPERPARAMETERS`) from the optimizer's `param_groups` at every step, so an LR schedule that
 writes `param_groups[i]["lr"]` (or a momentum schedule, `betas`) drives the sharded step.
 
+[Note: the update's dtype]
+The gradient reaches the update in the masters' dtype. Where the masters and the states share
+one dtype (fp32 masters and states; or bfloat16 masters with bfloat16 states, [Note:
+low-precision masters] in `fxzero/config/precision.py`) the update runs on them as they are, as
+torch.optim steps a parameter in its own dtype with states in that dtype. Where they differ
+(bfloat16 masters with fp32 states, or the reverse), each range's parameter, gradient and
+low-precision states are widened to fp32, updated there, and rounded back: what DeepSpeedCPUAdam
+does with `fp32_optimizer_states` on bf16 parameters.
+
 [Note: sums over whole parameters]
 LAMB's trust ratio divides the norm of each whole parameter by the norm of its whole update, and
 a rank's shard holds pieces of several parameters and most of none. A norm is the square root of
@@ -92,8 +101,15 @@ def optim_step(policy: OptimizerPolicy, param: torch.Tensor, grad: torch.Tensor,
         _lamb(policy, param, grad, dict(zip(names, states)), step, groups, whole)
         return
     update = _arithmetic(policy)
+    # [Note: the update's dtype]: one dtype where parameter and states share it, else fp32.
+    work = param.dtype if all(s.dtype == param.dtype for s in states) else torch.float32
     for lo, hi, g in ranges:
-        update(policy, param[lo:hi], grad[lo:hi], {n: s[lo:hi] for n, s in zip(names, states)}, step, groups[g])
+        held = [param[lo:hi], *(s[lo:hi] for s in states)]
+        wide = [t.to(work) for t in held]  # (the tensors themselves where already in `work`)
+        update(policy, wide[0], grad[lo:hi].to(work), dict(zip(names, wide[1:])), step, groups[g])
+        for t, w in zip(held, wide):
+            if w.dtype != t.dtype:
+                t.copy_(w)  # rounded back into the dtype it is held in
 
 
 _Arithmetic = Callable[[OptimizerPolicy, torch.Tensor, torch.Tensor, dict, int, dict], None]

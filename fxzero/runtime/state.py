@@ -70,7 +70,10 @@ class RankState:
     low: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """Mixed precision: per unit, the copy of its parameters in the compute dtype that the forward
     and backward read and gather (this rank's shard, or a unit held whole's full buffer); then
-    `params` holds the fp32 master shards, a shard even for a unit held whole. Empty in fp32."""
+    `params` holds the fp32 master shards, a shard even for a unit held whole. Empty in fp32, and
+    where the masters are in the compute dtype ([Note: low-precision masters])."""
+    optimizer_dtype: Optional[torch.dtype] = None
+    """The dtype of the optimizer's states (`MixedPrecision.optimizer_dtype`); None: the masters'."""
 
     def compute_params(self, unit: str) -> Optional[torch.Tensor]:
         """What the forward and backward read for `unit` (None: its shard is on a tier)."""
@@ -82,13 +85,17 @@ class RankState:
     def layout(self, unit: str) -> UnitLayout:
         return next(lay for lay in self.layouts if lay.name == unit)
 
+    def state_dtype(self, unit: str) -> torch.dtype:
+        """The dtype `unit`'s optimizer states are held in."""
+        return self.optimizer_dtype or self.layout(unit).dtype
+
     def optimizer_state(self, unit: str, state: str, initial: float) -> torch.Tensor:
         """`unit`'s optimizer state `state` ("exp_avg", "sum", ...), where its optimizer states live
         on the device; filled with `initial` (its policy's initial value) at the first read."""
         held = self.optimizer_states.setdefault(unit, {})
         if state not in held:
             layout = self.layout(unit)
-            held[state] = torch.full((layout.shard_numel,), initial, dtype=layout.dtype)
+            held[state] = torch.full((layout.shard_numel,), initial, dtype=self.state_dtype(unit))
         return held[state]
 
     def settle_grads(self) -> None:
@@ -160,8 +167,8 @@ class RankState:
         shard = values(lo, hi)
         if unit in self.offloaded_params:
             self.store.put("param", unit, shard)
-            if low_dtype is not None and shard.is_floating_point():
-                self.store.put("low", unit, shard.to(low_dtype))
+            if low_dtype is not None and shard.is_floating_point() and self.store.has("low", unit):
+                self.store.put("low", unit, shard.to(low_dtype))  # (none where the masters are the compute copy)
             return
         self.params[unit] = install(self.params.get(unit), shard)
         if unit in self.low:

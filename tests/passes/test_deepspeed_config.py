@@ -275,13 +275,13 @@ def test_deepspeeds_field_names_for_stage3_keys():
     assert cfg.persist_threshold == 77 and cfg.prefetch.keep_for_backward is False
 
 
-@pytest.mark.parametrize("section", ["flops_profiler", "compression_training", "torch_autocast"])  # data_efficiency: test_random_ltd_config.py
+@pytest.mark.parametrize("section", ["flops_profiler", "compression_training", "amp"])  # data_efficiency: test_random_ltd_config.py
 def test_a_section_that_switches_nothing_on_is_accepted(section):
     off = {"flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1},
            "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False},
                                                             "different_groups": {"wq1": {"params": {}}}},
                                     "layer_reduction": {"enabled": False, "keep_number_layer": 5}},
-           "torch_autocast": {"enabled": False, "dtype": "bfloat16"}}[section]
+           "amp": {"enabled": False, "opt_level": "O1"}}[section]
     read_deepspeed({section: off})
     on = {**off, "enabled": True} if "enabled" in off else {**off, "layer_reduction": {"enabled": True}}
     with pytest.raises(ValueError, match=rf"{section}=.* is not supported by fxzero"):

@@ -114,7 +114,7 @@ def test_rows_say_what_happens_and_what_auto_becomes():
     for row in (
         "| `zero_optimization.reduce_bucket_size` | no effect (warned once) | `500000000` | `500000000` |",
         "| `train_batch_size` | used | `null` | implied by the other two |",
-        '| `torch_autocast` | error unless `{}` or `{"enabled": false}` (or any section whose every `enabled` is '
+        '| `amp` | error unless `{}` or `{"enabled": false}` (or any section whose every `enabled` is '
         'false) |  | error |',
         "| `zero_optimization.zero_quantized_weights` | error unless `false` | `false` | `false` |",
         "| `zero_optimization.stage` | used | `0` | `0` |",

@@ -51,7 +51,6 @@ FEATURES: dict[str, list[str]] = {
     r"sparse attention": ["training__bing_bert__deepspeed_bsz64k_lamb_config_seq128.json"],
     r"Mixture-of-Quantization, MoQ": ["training__MoQ__test.json"],
     r"ZenFlow": ["training__DeepSpeed-ZenFlow__finetuning__zf_config.json"],
-    r"bfloat16 master weights and gradients": ["training__bf16_master_weight__configs__bf16_full.json"],
     r"tensor parallelism \(AutoTP\)": ["training__tensor_parallel__hf_integration__configs__ds_config.json"],
     r"DeepCompile and torch.compile of the module": ["benchmarks__autosp__configs__autosp_config.json"],
 }

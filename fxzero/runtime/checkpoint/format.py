@@ -15,8 +15,10 @@ A checkpoint is a directory `<save_dir>/<tag>/` in the format of torch.distribut
 The state dict it holds is the one torch's `get_state_dict` gives a DDP or FSDP model, with the
 model's own FQNs (a tied parameter once, under its first name):
 
-    model.<fqn>                  fp32 master parameters, and the model's persistent buffers
-    optim.state.<fqn>.<state>    the optimizer's per-element states (exp_avg, exp_avg_sq; sum)
+    model.<fqn>                  master parameters (fp32, or MixedPrecision.master_dtype's), and
+                                 the model's persistent buffers
+    optim.state.<fqn>.<state>    the optimizer's per-element states (exp_avg, exp_avg_sq; sum), in
+                                 their dtype (MixedPrecision.optimizer_dtype's)
     optim.state.<fqn>.step       the parameter's step count (a 0-d float32, as torch.optim's)
     optim.param_groups           the groups' hyperparameters, "params" listing FQNs
 
@@ -26,7 +28,8 @@ ranges each new shard needs, and at any stage (a unit held whole reads all of it
 Every file loads without running code from it ([Note: loading runs no code] in `safe_load.py`).
 The low-precision copies of mixed precision are not saved: they are the masters rounded
 (`_split_masters` in `fxzero/api.py`; the step program rounds the same way), so they are
-recomputed on load, exactly.
+recomputed on load, exactly. A checkpoint loads into a run whose masters or states are in
+another floating dtype, cast as it loads (rounded, with a warning, when narrowed).
 """
 
 from __future__ import annotations

@@ -52,9 +52,32 @@ def resolve_checkpoint(load_dir: str, tag: Optional[str]) -> Optional[str]:
                                                                         if tag is not None else "") + ")")
 
 
+def _other_master_dtype(saved: list, mine: list, params: set[str]) -> list[tuple[str, str, str]]:
+    """(FQN, saved dtype, this run's) of the parameters whose masters are in another floating dtype
+    than the checkpoint's, where that is all that differs (else, and when nothing differs, [])."""
+    if [t[:2] for t in saved] != [t[:2] for t in mine]:
+        return []
+    other = [(a[0], a[2], b[2]) for a, b in zip(saved, mine) if a[2] != b[2]]
+    floating = all(f in params and getattr(torch, a).is_floating_point and getattr(torch, b).is_floating_point
+                   for f, a, b in other)
+    return other if floating else []
+
+
 def _check_model(reader: CheckpointReader, engine) -> None:
+    """The checkpoint is of this model: its FQNs, shapes and dtypes, except that its masters may
+    be in another floating dtype (`MixedPrecision.master_dtype`): they are cast as they load,
+    exactly when widened, rounded (and said so) when narrowed."""
     mine = fmt.model_tensors(engine.module, engine.layouts)
     if fmt.fingerprint(mine) == reader.manifest["fingerprint"]:
+        return
+    params = {slot.fqn for layout in engine.layouts for slot in layout.slots}
+    other = _other_master_dtype([tuple(t) for t in reader.manifest["tensors"]], [tuple(t) for t in mine], params)
+    if other:
+        fqn, was, now = other[0]
+        if getattr(torch, now).itemsize < getattr(torch, was).itemsize:
+            warnings.warn(f"[rank {engine.rank}] {reader.path}: the checkpoint's master parameters are {was} ({fqn!r} "
+                          f"and {len(other) - 1} more) and this run's are {now} (MixedPrecision.master_dtype): they "
+                          f"are rounded to {now} as they load", stacklevel=4)
         return
     saved = {t[0]: t for t in reader.manifest["tensors"]}
     here = {t[0]: t for t in mine}
@@ -69,10 +92,11 @@ def _check_model(reader: CheckpointReader, engine) -> None:
                           f"({reader.manifest.get('model_class')}): {detail}; load a checkpoint of this model")
 
 
-def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of `layout`'s flat buffer, each parameter's from tensor `key_of(fqn)`;
-    padding zero."""
-    out = torch.zeros(hi - lo, dtype=layout.dtype)
+def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Elements [lo, hi) of `layout`'s flat buffer, each parameter's from tensor `key_of(fqn)`, in
+    `dtype` (default the layout's: cast from the dtype saved); padding zero."""
+    out = torch.zeros(hi - lo, dtype=dtype or layout.dtype)
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a < b:
@@ -83,7 +107,7 @@ def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int) -> to
 @torch.no_grad()
 def _load_params(engine, reader: CheckpointReader) -> None:
     mp = engine.config.mixed_precision
-    low_dtype = mp.param_dtype if mp is not None else None
+    low_dtype = mp.low_dtype if mp is not None else None
     for layout in engine.layouts:
         engine.state.install_unit(layout.name, lambda lo, hi, layout=layout: _read_unit(
             reader, layout, fmt.param_key, lo, hi), low_dtype)
@@ -98,6 +122,7 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
             f"[rank {rank}] {os.path.join(reader.path, fmt.MANIFEST)}: the checkpoint holds {saved[0]}'s states "
             f"{list(saved[1])} and this engine runs {type(policy).__name__} ({list(policy.states)}); use the same "
             "optimizer, or load_checkpoint(..., load_optimizer_states=False) to start its states afresh")
+    warned = False
     for layout in engine.layouts:
         if not layout.trainable:
             continue
@@ -106,7 +131,15 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
         steps = {int(reader.read_tensor(fmt.state_key(s.fqn, "step"))) for s in layout.slots
                  if reader.has(fmt.state_key(s.fqn, "step"))}
         for kind in policy.states:
-            shard = _read_unit(reader, layout, lambda fqn, kind=kind: fmt.state_key(fqn, kind), lo, hi)
+            dtype = state.state_dtype(unit)
+            shard = _read_unit(reader, layout, lambda fqn, kind=kind: fmt.state_key(fqn, kind), lo, hi, dtype)
+            saved_dtype = reader.dtype(fmt.state_key(layout.slots[0].fqn, kind))
+            if saved_dtype.itemsize > dtype.itemsize and not warned:
+                warned = True
+                warnings.warn(f"[rank {rank}] {reader.path}: the checkpoint's optimizer states are "
+                              f"{str(saved_dtype).removeprefix('torch.')} and this run's are "
+                              f"{str(dtype).removeprefix('torch.')} (MixedPrecision.optimizer_dtype): they are "
+                              "rounded as they load", stacklevel=4)
             if state.store is not None and state.store.offloaded(kind):
                 state.store.put(kind, unit, shard)
             else:

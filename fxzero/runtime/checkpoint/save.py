@@ -198,7 +198,8 @@ def _remove_leftovers(save_dir: str) -> None:
 # -- what each rank writes -----------------------------------------------------------------------
 
 def _master_shard(engine, layout) -> torch.Tensor:
-    """This rank's fp32 parameter shard of `layout` (read from its tier when it lives on one)."""
+    """This rank's master shard of `layout`, in the masters' dtype (read from its tier when it
+    lives on one)."""
     state = engine.state
     if layout.name in state.offloaded_params:
         return state.store.get("param", layout.name)
@@ -212,11 +213,11 @@ def _master_shard(engine, layout) -> torch.Tensor:
 def _state_shard(engine, layout, kind: str) -> torch.Tensor:
     """This rank's shard of optimizer state `kind` (its initial value before the first update)."""
     state, policy = engine.state, engine.optimizer.policy
+    dtype = state.state_dtype(layout.name)
     if state.store is not None and state.store.offloaded(kind):
-        return state.store.fetch(kind, layout.name, layout.shard_numel, layout.dtype).wait()
+        return state.store.fetch(kind, layout.name, layout.shard_numel, dtype).wait()
     held = state.optimizer_states.get(layout.name, {}).get(kind)
-    return held if held is not None else torch.full((layout.shard_numel,), policy.initial_value(kind),
-                                                    dtype=layout.dtype)
+    return held if held is not None else torch.full((layout.shard_numel,), policy.initial_value(kind), dtype=dtype)
 
 
 def _per_slot(layout, rank: int, shard: torch.Tensor, write: Callable[[str, tuple, torch.Tensor, int], None]) -> None:
@@ -306,7 +307,7 @@ def _metadata(engine, statuses: list, path: str) -> Metadata:
             shapes[fmt.param_key(slot.fqn)] = (slot.shape, layout.dtype, slot.fqn)
             if layout.trainable:
                 for kind in engine.optimizer.policy.states:
-                    shapes[fmt.state_key(slot.fqn, kind)] = (slot.shape, layout.dtype, slot.fqn)
+                    shapes[fmt.state_key(slot.fqn, kind)] = (slot.shape, engine.state.state_dtype(layout.name), slot.fqn)
                 shapes[fmt.state_key(slot.fqn, "step")] = ((), torch.float32, slot.fqn)
     for fqn, value in engine.state.buffers.items():
         shapes[fmt.param_key(fqn)] = (tuple(value.shape), value.dtype, fqn)

@@ -290,20 +290,22 @@ class OffloadStore:
 
 
 def bytes_on_tiers(offload: Offload, layouts: list, whole: frozenset[str],
-                   low_dtype: Optional[torch.dtype] = None, optimizer: OptimizerPolicy = AdamW()) -> dict[str, int]:
+                   low_dtype: Optional[torch.dtype] = None, optimizer: OptimizerPolicy = AdamW(),
+                   state_dtype: Optional[torch.dtype] = None) -> dict[str, int]:
     """Bytes each offloadable state kind takes on its tier, for one rank (`OffloadStore.reserve`).
 
     `whole`: units held whole (their parameters are never offloaded); with step_in_backward only
     those units' gradients are ever stored. `low_dtype`: mixed precision's, whose copy of each
     offloaded parameter shard lives beside its fp32 master. `optimizer`: its declared states,
-    one shard each per trainable unit.
+    one shard each per trainable unit, in `state_dtype` (None: the layouts' dtype).
     """
     sharded = [lay for lay in layouts if lay.name not in whole]
     trainable = [lay for lay in layouts if lay.trainable]
 
     def on_tier(kind: str, units) -> int:
         placement = offload.placement(kind)
-        return sum(OffloadStore.stored_bytes(placement, lay.shard_numel * lay.itemsize) for lay in units)
+        itemsize = state_dtype.itemsize if kind in optimizer.states and state_dtype is not None else None
+        return sum(OffloadStore.stored_bytes(placement, lay.shard_numel * (itemsize or lay.itemsize)) for lay in units)
 
     stored_grads = [lay for lay in trainable if lay.name in whole] if offload.step_in_backward else trainable
     low = 0
