@@ -336,3 +336,12 @@ def test_seq_batch_hidden_states_without_a_mask_train_as_eager_on_the_same_token
     for name, p in reference.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=0, atol=1e-6, msg=name)
     assert [len(engine._cache)] == [2]  # (routed steps and the full-length ones)
+
+
+def test_a_config_enabling_random_ltd_without_converting_trains_every_token_and_says_so():
+    engine = _engine(_deepspeed())
+    ids = torch.randint(0, 32, (2, 10))
+    with pytest.warns(fxzero.config.notices.IneffectiveSetting, match="no layer routes.*convert_to_random_ltd"):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.random_ltd_scheduler.get_current_seq() == 4 and engine.random_ltd_enabled()

@@ -172,7 +172,8 @@ def _route(module: RandomLayerTokenDrop, hidden: torch.Tensor, args: tuple, kwar
     else:
         shared = None
     batch, seq = (hidden.shape[0], hidden.shape[1]) if module.batch_first else (hidden.shape[1], hidden.shape[0])
-    module.reserved_length, module.curr_seq = draw.kept, seq
+    if isinstance(draw.kept, int) and isinstance(seq, int):  # (DeepSpeed's attributes: never a trace's symbols)
+        module.reserved_length, module.curr_seq = draw.kept, seq
     if not draw.kept < seq:  # (symbolic: a guard, so each side is a program of its own)
         return call(hidden, *args, **kwargs)
     bound, mask = _bind_mask(module, hidden, args, kwargs)

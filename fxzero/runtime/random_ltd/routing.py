@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from fxzero._compat import maybe_mark_dynamic
+from fxzero.config.notices import warn_ineffective
 from fxzero.config.random_ltd import RandomLTD
 from fxzero.runtime.random_ltd.layer import CURRENT, ForwardDraw, RandomLayerTokenDrop
 from fxzero.runtime.random_ltd.scheduler import RandomLTDScheduler
@@ -78,6 +79,10 @@ class RandomLTDRouting:
         `_forward_prologue`), and the kept count added to the call where a routed layer trains."""
         if model.training:
             self.scheduler.update_seq(global_steps)
+            if not self.layers:
+                warn_ineffective([f"[rank {self.rank}] random-LTD is enabled in the config and no layer routes: "
+                                  "the schedule advances, and every token goes through every layer; convert the "
+                                  "model's layers after initialize (convert_to_random_ltd(engine, LayerClass))"])
         if not any(layer.training for layer in self.layers):
             return args, kwargs
         if KEPT in kwargs:
