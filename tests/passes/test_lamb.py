@@ -234,6 +234,48 @@ def test_lamb_on_shards_is_lamb_on_whole_tensors(world, variant):
     assert cases == {"within", "max", "min", "zero weight", "zero update"}, cases
 
 
+def test_bfloat16_masters_with_fp32_states_widen_and_round_back():
+    """Masters in bfloat16 and states in fp32 (MixedPrecision(master_dtype=torch.bfloat16)): each
+    step computes in fp32 from the widened masters, norms included, and rounds the masters back,
+    as the reference does here to its fp32 copy after each step. Both round the same fp32 values
+    but for fp32 rounding, so they agree within one bfloat16 rounding step (2**-8 relative), where
+    an fp32 difference straddles a bfloat16 rounding boundary (measured: equal bit for bit)."""
+    options, steps, world = VARIANTS["bias-correction"], 4, 2
+    params = {k: torch.nn.Parameter(v.bfloat16().float()) for k, v in _initial().items()}
+    ref = ReferenceLamb([{"params": [p for k, p in params.items() if k not in NO_DECAY]},
+                         {"params": [p for k, p in params.items() if k in NO_DECAY], "weight_decay": 0.0}],
+                        **options)
+    for grads in _grads(steps):
+        for k, p in params.items():
+            p.grad = grads[k].bfloat16().float()
+        ref.step()
+        with torch.no_grad():
+            for p in params.values():
+                p.copy_(p.bfloat16().float())
+
+    layout, policy = _layout(world), fxzero.Lamb(**options)
+    groups = [policy.defaults(), {**policy.defaults(), "weight_decay": 0.0}]
+    group_of = {k: 1 if k in NO_DECAY else 0 for k in SHAPES}
+    flat0 = _flat(_initial(), layout).bfloat16()
+    grads = [_flat(g, layout).bfloat16() for g in _grads(steps)]
+    ranks = _ThreadRanks(world)
+
+    def rank_fn(rank: int) -> torch.Tensor:
+        lo, hi = layout.shard_range(rank)
+        param, states = flat0[lo:hi].clone(), [torch.zeros(hi - lo), torch.zeros(hi - lo)]
+        whole = WholeSums(layout.param_shard_ranges(rank, group_of), len(layout.slots), ranks.reduce(rank))
+        for step, grad in enumerate(grads, start=1):
+            optim_step(policy, param, grad[lo:hi].clone(), states, step, groups, [], whole)
+        return param
+
+    flat = torch.cat(ranks.run(rank_fn))
+    assert flat.dtype == torch.bfloat16
+    for s in layout.slots:
+        got = flat[s.offset:s.offset + s.numel].view(s.shape).float()
+        torch.testing.assert_close(got, params[s.fqn].detach(), rtol=2**-8, atol=1e-6,
+                                   msg=lambda m, k=s.fqn: f"{k}: {m}")
+
+
 def test_a_rank_holding_only_padding_still_joins_the_reduction():
     """Three elements on four ranks: rank 3's shard is padding only; it all-reduces zeros with the
     others (a rank that skipped it would hang them), and every parameter still gets its norm."""
