@@ -240,6 +240,15 @@ def test_converted_in_place_the_model_keeps_its_names_and_a_materialized_mask_is
     assert len(kept) == 1 and isinstance(kept[0], str), engine.program.shapes.describe()
     assert seen and set(seen) == {(f"torch.Size([2, {kept[0]}, 16])", f"torch.Size([2, 1, {kept[0]}, {kept[0]}])")}
     assert engine.random_ltd_scheduler.get_current_seq() == 4
+    engine.step()
+    engine.eval()  # (eval routes nothing: the trained model's own evaluation)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    plain = _gpt2("eager")
+    plain.load_state_dict(save_without_random_ltd(engine))
+    with torch.no_grad():
+        torch.testing.assert_close(logits, plain.eval()(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+    assert engine.random_ltd_scheduler.get_current_seq() == 4  # (the schedule steps in training forwards only)
 
 
 def test_a_checkpoint_resumes_the_schedule_and_the_draws(tmp_path):
@@ -345,3 +354,19 @@ def test_a_config_enabling_random_ltd_without_converting_trains_every_token_and_
         engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     assert engine.random_ltd_scheduler.get_current_seq() == 4 and engine.random_ltd_enabled()
+
+
+def test_a_layer_routed_in_place_deep_copies_and_pickles_routed():
+    import copy
+    import pickle
+
+    config = ltd_config(min_value=4, max_value=8, mask=None)
+    layer = route_in_place(Toy())
+    layer.init_config(config, RandomLTDScheduler(config), 0)
+    for again in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(again) is type(layer) and isinstance(again, Toy) and again.random_ltd_layer_id == 0
+        torch.testing.assert_close(again.lin.weight, layer.lin.weight)
+        torch.manual_seed(0)
+        want = layer(torch.ones(2, 8, 8))[0]
+        torch.manual_seed(0)
+        torch.testing.assert_close(again(torch.ones(2, 8, 8))[0], want, rtol=0, atol=0)

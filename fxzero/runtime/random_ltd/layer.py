@@ -28,13 +28,14 @@ model's root pre-hook removes (`routing.py`); the layer reads `kept` from its si
 serves the whole schedule: `kept < seq` (route or not) is a guard on the two sizes, so a call on
 the other side of it (the schedule reaching the length) gets a program of its own.
 
-Converting a layer after `deepspeed.initialize` ([Note: routing a layer in place]): DeepSpeed
-replaces the layer by a wrapper holding it, so its parameters' names gain ".random_ltd_layer".
+[Note: routing a layer in place]
+Scripts convert their layers after `deepspeed.initialize`. DeepSpeed replaces the layer by a wrapper holding it, so its parameters' names gain ".random_ltd_layer".
 fxzero has laid out and sharded the parameters by name at initialize, so `convert_to_random_ltd`
 routes the layer in place instead: its class becomes a subclass of both its own class and
 `RandomLayerTokenDrop` whose forward routes, the parameters keep their names and storage, and
-`save_without_random_ltd` gives the same keys as DeepSpeed's. `RandomLayerTokenDrop(layer)`,
-built before initialize, is DeepSpeed's wrapper.
+`save_without_random_ltd` gives the same keys as DeepSpeed's. The routed class is made once per
+class and pickles (and deep-copies) by its original class. `RandomLayerTokenDrop(layer)`, built
+before initialize, is DeepSpeed's wrapper.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import sys
 import types
 from typing import Any, Callable, Mapping, Optional
 
@@ -301,19 +301,30 @@ class _RoutedInPlace(RandomLayerTokenDrop):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return _route(self, hidden_states, args, kwargs)
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return _rebuild_routed, (type(self)._fxzero_original, self.__dict__)
+
+
+def _rebuild_routed(cls: type, state: dict) -> nn.Module:
+    """A routed layer from pickle or deepcopy: an instance of `cls` routed again."""
+    layer = cls.__new__(cls)
+    layer.__dict__.update(state)
+    layer.__class__ = _routed_class(cls)
+    return layer
+
 
 _ROUTED: dict[type, type] = {}
 
 
 def _routed_class(cls: type) -> type:
     """`cls` routed: a subclass of `_RoutedInPlace` and `cls` whose forward routes and then runs
-    `cls.forward`, registered in this module by name so that models holding it still pickle."""
+    `cls.forward` (one per class, named for it)."""
     routed = _ROUTED.get(cls)
     if routed is None:
         name = f"RandomLTD_{cls.__module__.replace('.', '_')}_{cls.__qualname__.replace('.', '_')}"
         routed = type(name, (_RoutedInPlace, cls), {"__module__": __name__, "__qualname__": name,
-                                                    "_fxzero_layer_forward": staticmethod(cls.forward)})
-        setattr(sys.modules[__name__], name, routed)
+                                                    "_fxzero_layer_forward": staticmethod(cls.forward),
+                                                    "_fxzero_original": cls})
         _ROUTED[cls] = routed
     return routed
 
