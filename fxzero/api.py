@@ -28,6 +28,7 @@ from fxzero.config.batch import BatchSizes
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
 from fxzero.config.notices import print_once
 from fxzero.runtime.comm import make_comm
+from fxzero.runtime.device import process_group_backend, rank_device
 from fxzero.trace import DataDependentControlFlow
 from fxzero.runtime.engine import Engine
 from fxzero.runtime.host_memory import keep_freed_host_memory
@@ -45,7 +46,7 @@ def _ensure_process_group() -> None:
     """Join the launcher's process group (torchrun sets WORLD_SIZE) if the user has not."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(process_group_backend())
 
 
 @contextlib.contextmanager
@@ -97,6 +98,7 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
     groups, group_of, ungrouped = param_groups(model, model_parameters, config.optimizer)  # (before any allocation)
     _ensure_process_group()
+    device = rank_device()
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
     comm = make_comm(config.link_emulation, config.transport, config.collective_timeout)
@@ -136,14 +138,15 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
     params, buffers = materialize(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict,
         seed=record.rng_state if record is not None else config.seed,
-        spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision),
+        spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision), device=device,
     )
     mp = config.mixed_precision
     state = RankState(layouts, whole, params, buffers, offloaded_params=spilled, rank_of_shards=comm.rank, store=store,
-                      optimizer_dtype=mp.optimizer_dtype if mp is not None else None)
+                      optimizer_dtype=mp.optimizer_dtype if mp is not None else None, device=device)
     if mp is not None and mp.low_dtype is not None:
         _split_masters(state, mp.low_dtype, comm.rank)
-    compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model, comm.rank)
+    compiler = functools.partial(_compile_for, model, config, comm.world_size, layouts, cost_model, comm.rank,
+                                 device=device.type)
     engine = Engine(model, config, comm=comm, cost_model=cost_model, state=state, compiler=compiler,
                     optimizer=ShardedOptimizer(config.optimizer, groups), group_of=group_of, batch=batch)
     if config.lr_schedule is not None:  # stepped by the engine after each optimizer step
@@ -182,14 +185,16 @@ def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
             state.params[layout.name] = values[lo:hi].clone()
 
 
-def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only=False):
+def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only=False, *,
+                 device="cpu"):
     with _rng_untouched():
-        return _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only)
+        return _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only,
+                                device)
 
 
-def _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only):
+def _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only, device):
     try:
         return compile_program(model, args, config, world_size=world_size, layouts=layouts, cost_model=cost_model,
-                               kwargs=kwargs, forward_only=forward_only)
+                               kwargs=kwargs, forward_only=forward_only, device=device)
     except DataDependentControlFlow as e:
         raise DataDependentControlFlow(e.where).with_rank(rank) from e.__cause__

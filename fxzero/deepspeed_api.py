@@ -26,6 +26,7 @@ import torch.nn as nn
 from fxzero.api import compile as compile_engine
 from fxzero.config import OPTIMIZERS, Adagrad, Adam, AdamW, Config, OptimizerPolicy
 from fxzero.config.notices import warn_ineffective
+from fxzero.runtime.device import process_group_backend
 from fxzero.runtime.dataloader import ShardedDataLoader
 from fxzero.runtime.engine import Engine
 
@@ -79,7 +80,7 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
     if dist.is_initialized():
         return
     world = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or process_group_backend()  # (NCCL with gloo beside it on CUDA ranks)
     if world <= 1 and init_method is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return

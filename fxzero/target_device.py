@@ -43,10 +43,14 @@ __all__ = ["TargetKernels", "check_no_cpu_kernels", "cpu_only_kernels", "retarge
 
 
 def target_device(device) -> torch.device:
-    """The device type a program is for, without an index (a rank's own index comes at run time)."""
+    """The device type a program is for, without an index (a rank's own index comes at run time).
+
+    "meta" stands for an accelerator whose tensors hold no values: fxzero's tests run a whole
+    step on it to find any buffer left in host memory and any host sync (a meta tensor has no
+    value to read), on a machine without a GPU."""
     kind = torch.device(device).type
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"fxzero compiles programs for 'cpu' or 'cuda', not {kind!r}")
+    if kind not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"fxzero compiles programs for 'cpu', 'cuda' or 'meta', not {kind!r}")
     return torch.device(kind)
 
 
@@ -133,7 +137,7 @@ class TargetKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":
             return func(*args, **kwargs)
         if torch.is_autocast_enabled("cuda"):  # the model's torch.autocast("cuda") region, on CPU tensors
             _note_autocast()

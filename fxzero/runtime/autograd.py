@@ -38,7 +38,7 @@ class RunProgram(torch.autograd.Function):
         outputs, saved = engine._run_forward(runners, inputs, for_backward)
         ctx.engine, ctx.runners, ctx.saved = engine, runners, saved
         sig = runners.compiled.signature
-        ctx.shapes = [(o.shape, o.dtype) for o in outputs]
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in outputs]
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, sig.differentiable) if not d])
         return tuple(outputs)
 
@@ -51,8 +51,8 @@ class RunProgram(torch.autograd.Function):
             )
         sig = ctx.runners.compiled.signature
         grad_outputs = [
-            g if g is not None else torch.zeros(shape, dtype=dtype)
-            for g, (shape, dtype), d in zip(grads, ctx.shapes, sig.differentiable)
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device), d in zip(grads, ctx.shapes, sig.differentiable)
             if d
         ]
         saved, ctx.saved = ctx.saved, None

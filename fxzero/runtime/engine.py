@@ -93,7 +93,7 @@ class Engine:
         self._layout = {lay.name: lay for lay in state.layouts}
         self._cache: collections.OrderedDict[Any, Runners] = collections.OrderedDict()  # (LRU, bounded)
         self._gathered = GatheredMemory()
-        self._pool = BufferPool()  # per-unit buffers reused across units and steps (storage/pool.py)
+        self._pool = BufferPool(device=state.device)  # per-unit buffers reused across units and steps (storage/pool.py)
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
@@ -105,8 +105,9 @@ class Engine:
         self.control = StepControl(config, comm, state, batch)  # accumulation, scaling, clipping, schedule
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.global_rank = self.rank
-        self.device = torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        """Where the model's inputs go (`inputs.to(engine.device)`)."""
+        self.device = state.device
+        """Where the model's inputs go (`inputs.to(engine.device)`): `cuda:LOCAL_RANK` on a CUDA
+        rank, else the CPU (`fxzero/runtime/device.py`)."""
         self._log = StepLog(config.steps_per_print, self.rank)
         self.training_dataloader: Any = None
         """The loader `fxzero.initialize` built (its position is saved in checkpoints), or None."""

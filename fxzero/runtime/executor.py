@@ -85,21 +85,32 @@ class GatheredMemory:
 class GradientFlags:
     """What the backward found of the gradient shards since the last step: what its `check`
     instructions saw (float16), and the sum of squares of each shard it wrote to a tier (for
-    the global norm, which the step can no longer read from memory)."""
+    the global norm, which the step can no longer read from memory).
 
-    nonfinite: bool = False
-    first: Optional[str] = None
-    """The first unit whose gradient was not finite."""
-    sum_of_squares: dict[str, float] = dataclasses.field(default_factory=dict)
-    """unit -> sum of squares of the gradient shard last written to its tier (after an
+    Both stay tensors on the gradients' device ([Note: no host sync in a step] in
+    `fxzero/runtime/stepping.py`): the backward never waits for the device to read them."""
+
+    checks: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """(unit, 1.0 where its gradient shard was not finite, else 0.0), in the order checked."""
+    sum_of_squares: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """unit -> sum of squares (float64) of the gradient shard last written to its tier (after an
     accumulation's additions, so the last micro-step's is the accumulated gradient's)."""
 
-    def record(self, unit: str, finite: bool) -> None:
-        if not finite and not self.nonfinite:
-            self.nonfinite, self.first = True, unit
+    def record(self, unit: str, grad: torch.Tensor) -> None:
+        self.checks.append((unit, torch.isfinite(grad).all().logical_not().to(torch.float32).reshape(1)))
+
+    def nonfinite(self, device: torch.device) -> torch.Tensor:
+        """How many checks found a gradient that is not finite (a float32 tensor of one element)."""
+        if not self.checks:
+            return torch.zeros(1, device=device)
+        return torch.stack([flag for _, flag in self.checks]).sum(0)
+
+    def first(self) -> Optional[str]:
+        """The first unit whose gradient was not finite (reads the flags: for error messages)."""
+        return next((unit for unit, flag in self.checks if flag.item() > 0), None)
 
     def reset(self) -> None:
-        self.nonfinite, self.first = False, None
+        self.checks.clear()
         self.sum_of_squares.clear()
 
 
@@ -302,7 +313,7 @@ class ProgramRunner:
                 return _Written(Pending(None, grad))
             if self.accumulate_grads:  # [Note: accumulating on a tier]
                 grad = grad.add_(store.fetch("grad", ins.unit, grad.numel(), grad.dtype).wait())
-            self.flags.sum_of_squares[ins.unit] = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+            self.flags.sum_of_squares[ins.unit] = torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
             return _Written(store.write("grad", ins.unit, grad))
 
         return offload_grad
@@ -331,7 +342,7 @@ class ProgramRunner:
         flags, unit = self.flags, ins.unit
 
         def check(env: dict) -> torch.Tensor:
-            flags.record(unit, bool(torch.isfinite(env[src]).all()))
+            flags.record(unit, env[src])
             return _TOKEN
 
         return check

@@ -46,8 +46,10 @@ class _Sink:
 
     def __init__(self, layouts: list[UnitLayout], rank: int, whole: frozenset[str],
                  spill: frozenset[str] = frozenset(),
-                 spill_to: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
+                 spill_to: Optional[Callable[[str, torch.Tensor], None]] = None,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.whole = whole
+        self.device = device
         self.rank = rank
         self.spill, self.spill_to = spill, spill_to
         self.layouts = {layout.name: layout for layout in layouts}
@@ -63,7 +65,9 @@ class _Sink:
     def _buffer(self, layout: UnitLayout) -> torch.Tensor:
         if layout.name not in self.storage:
             n = layout.padded_numel if layout.name in self.whole else layout.shard_numel
-            self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype)
+            # (a unit spilled to a tier is assembled in host memory, where the tier keeps it)
+            where = "cpu" if layout.name in self.spill else self.device
+            self.storage[layout.name] = torch.zeros(n, dtype=layout.dtype, device=where)
         return self.storage[layout.name]
 
     def put(self, fqn: str, value: torch.Tensor) -> None:
@@ -99,8 +103,11 @@ def materialize(
     spill: frozenset[str] = frozenset(),
     spill_to: Optional[Callable[[str, torch.Tensor], None]] = None,
     stats: Optional[dict] = None,
+    device: torch.device = torch.device("cpu"),
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """This rank's flat parameter storage per unit, and the model's buffers (full, on CPU).
+    """This rank's flat parameter storage per unit, and the model's buffers (full), in `device`'s
+    memory ([Note: buffer kinds] in `fxzero/runtime/device.py`); the values are computed on the
+    CPU (the model's init, a state dict's tensors) one parameter at a time and copied in.
 
     Args:
         whole: units whose whole flat buffer this rank keeps (persistent units), rather than
@@ -114,7 +121,7 @@ def materialize(
         ValueError: if the state_dict lacks parameters or has wrong shapes, or a parameter on
             the meta device has no value and nothing in the model's init sets it.
     """
-    sink = _Sink(layouts, rank, whole, spill, spill_to)
+    sink = _Sink(layouts, rank, whole, spill, spill_to, device)
     buffers: dict[str, torch.Tensor] = {}
     buffer_fqns = [fqn for fqn, _ in model.named_buffers()]
     if state_dict is not None:
@@ -149,6 +156,7 @@ def materialize(
             f"no value for parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}: the "
             "state_dict passed to fxzero.compile must hold every parameter of the model"
         )
+    buffers = {fqn: b.to(device) for fqn, b in buffers.items()}
     return {lay.name: sink.storage[lay.name] for lay in layouts if lay.name not in spill}, buffers
 
 

@@ -74,6 +74,9 @@ class RankState:
     where the masters are in the compute dtype ([Note: low-precision masters])."""
     optimizer_dtype: Optional[torch.dtype] = None
     """The dtype of the optimizer's states (`MixedPrecision.optimizer_dtype`); None: the masters'."""
+    device: torch.device = torch.device("cpu")
+    """The rank's device, whose memory holds what is not on a tier ([Note: buffer kinds] in
+    `fxzero/runtime/device.py`)."""
 
     def compute_params(self, unit: str) -> Optional[torch.Tensor]:
         """What the forward and backward read for `unit` (None: its shard is on a tier)."""
@@ -95,7 +98,7 @@ class RankState:
         held = self.optimizer_states.setdefault(unit, {})
         if state not in held:
             layout = self.layout(unit)
-            held[state] = torch.full((layout.shard_numel,), initial, dtype=self.state_dtype(unit))
+            held[state] = torch.full((layout.shard_numel,), initial, dtype=self.state_dtype(unit), device=self.device)
         return held[state]
 
     def settle_grads(self) -> None:
@@ -142,7 +145,7 @@ class RankState:
         if whole is not None:
             return whole.clone()
         shard = self.local_shard(unit, compute)
-        flat = torch.empty(layout.padded_numel, dtype=shard.dtype)
+        flat = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
         comm.all_gather(flat, shard.contiguous(), count=False).wait()
         return flat
 
@@ -201,14 +204,24 @@ class RankState:
         the low-precision copies), of which persistent_params is held whole.
         Categories count resident memory only; `offloaded` is bytes per storage tier. Counted
         from the storages held (a view of a larger buffer counts the whole buffer), not
-        estimated from sizes.
+        estimated from sizes. `device_bytes` and `host_bytes` split what the rank holds by
+        memory ([Note: buffer kinds] in `fxzero/runtime/device.py`): on a CUDA rank, the states
+        in GPU memory and, in host memory, the cpu tier's; on a CPU rank host memory is the
+        device's, and the cpu tier is counted in `offloaded` only.
         """
         self.settle_grads()
         params = storage_bytes([*self.params.values(), *self.low.values()])
         grads = storage_bytes(self.grads.values())
         optim = storage_bytes(t for states in self.optimizer_states.values() for t in states.values())
         held_whole = self.low if self.low else self.params
+        resident = [*self.params.values(), *self.low.values(), *self.buffers.values(),
+                    *(g for g in self.grads.values() if isinstance(g, torch.Tensor)),
+                    *(t for states in self.optimizer_states.values() for t in states.values())]
+        tiers = self.store.held_bytes() if self.store is not None else {}
         return {
+            "device_bytes": storage_bytes(t for t in resident if t.device.type == self.device.type),
+            "host_bytes": storage_bytes(t for t in resident if t.device.type != self.device.type)
+            + (tiers.get("cpu", 0) if self.device.type != "cpu" else 0),
             "param_shards": params,
             "persistent_params": storage_bytes(t for u, t in held_whole.items() if u in self.whole),
             "grad_shards": grads,

@@ -16,6 +16,18 @@ depends on are zero): one scalar all-reduce, after every gradient has arrived. A
 An update that needs norms of each whole parameter (LAMB) sums them from shards the same way,
 one number per parameter, through `sum_over_ranks` ([Note: sums over whole parameters] in
 `fxzero/runtime/optim.py`).
+
+[Note: no host sync in a step]
+On a GPU every read of a device value from Python (`float(t)`, `bool(t)`, `.item()`) waits for
+the device to finish all it was given, so a read per unit in the backward would serialize
+compute and communication. The flags and sums the step needs therefore stay device tensors
+from where they are made: the loss's finiteness flag (`loss_to_backward`), the float16 checks
+of each gradient shard and the sums of squares of the shards written to a tier (`GradientFlags`
+in `executor.py`), each rank's sum of squares for the norm (`_sum_of_squares`); each is reduced
+over ranks on the device. The step reads them once, together (`read_step_numbers`), where it
+decides whether to update and by what multiplier: one read per optimizer step, after the
+backward has been issued; none in the forward or the backward. (Deciding the skip and the clip
+on the device too, as torch's fused optimizers do with `found_inf`, would remove that one.)
 """
 
 from __future__ import annotations
@@ -35,7 +47,18 @@ from fxzero.runtime.executor import CollectiveTimeout, GradientFlags, is_timeout
 from fxzero.runtime.loss_scale import LossScaler, first_nonfinite
 from fxzero.runtime.state import RankState
 
-__all__ = ["StepControl", "StepLog"]
+__all__ = ["StepControl", "StepLog", "read_step_numbers"]
+
+
+def read_step_numbers(bad: Optional[torch.Tensor], squares: Optional[torch.Tensor]) -> tuple[float, Optional[float]]:
+    """The one host read of an optimizer step ([Note: no host sync in a step]): how many flags
+    said "not finite" (over ranks and micro-steps) and the gradient's sum of squares (None: no
+    norm this step), copied from the device together."""
+    parts = [t.reshape(-1).to(torch.float64) for t in (bad, squares) if t is not None]
+    if not parts:
+        return 0.0, None
+    values = torch.cat(parts).tolist()
+    return (values[0] if bad is not None else 0.0), (values[-1] if squares is not None else None)
 
 
 class StepControl:
@@ -59,15 +82,16 @@ class StepControl:
         self.multiplier = 1.0
         """What each gradient is multiplied by in the update being taken (unscale x clip)."""
         self._loss_flags: list[tuple[Any, torch.Tensor]] = []
-        self._first_bad: Optional[str] = None
+        self._checks: list[tuple[str, torch.Tensor]] = []  # the backward's float16 checks, for error messages
 
     # -- backward -----------------------------------------------------------------------------
 
     def loss_to_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """The tensor to run the backward from: the loss, over the accumulation steps, scaled."""
         if self.scaler is None:
-            # [Note: one flag per step]: reduced ahead of the backward's collectives.
-            flag = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0])
+            # [Note: one flag per step]: reduced ahead of the backward's collectives; a tensor on
+            # the loss's device, read at the step ([Note: no host sync in a step]).
+            flag = torch.isfinite(loss.detach()).all().logical_not().to(torch.float32).reshape(1)
             self._loss_flags.append((self.comm.all_reduce(flag, count=False), flag))
             return loss / self.accumulation if self.accumulation > 1 else loss
         return loss.float() * (self.scaler.scale / self.accumulation)
@@ -83,7 +107,7 @@ class StepControl:
         self.state.settle_grads()
         unit = first_nonfinite((lay.name, self.state.grads.get(lay.name)) for lay in layouts)
         if unit is None and self.scaler is not None:  # gradients on a tier: as the backward saw them
-            unit = self._first_bad
+            unit = next((name for name, flag in self._checks if flag.item() > 0), None)
         where = (f"the first unit whose gradient is not finite on this rank is {unit!r}" if unit is not None
                  else "this rank's gradients are finite (another rank's are not)")
         return RuntimeError(f"[rank {self.comm.rank}] step {self.global_steps + 1}: {what}; {where}. Lower the "
@@ -95,13 +119,20 @@ class StepControl:
         self.multiplier = 1.0
         if self.scaler is None:
             pending, self._loss_flags = self._loss_flags, []
-            if any(self._wait(p, "the loss-finiteness flag").item() > 0 for p, _ in pending):
-                return self._nonfinite("the loss is not finite on some rank", layouts)
+            flags = [self._wait(p, "the loss-finiteness flag") for p, _ in pending]
+            bad = torch.stack(flags).sum(0) if flags else None
         else:
             # The backward checked each gradient shard as it was reduced (passes/check_gradients.py).
-            bad, self._first_bad = self.flags.nonfinite, self.flags.first
-            flag = self.comm.all_reduce(torch.tensor([1.0 if bad else 0.0]), count=False)
-            overflow = self._wait(flag, "the float16 overflow flag").item() > 0
+            self._checks = list(self.flags.checks)
+            flag = self.comm.all_reduce(self.flags.nonfinite(self.state.device), count=False)
+            bad = self._wait(flag, "the float16 overflow flag")
+        squares = self._sum_of_squares()
+        bad_count, total = read_step_numbers(bad, squares)  # (the step's one host read)
+        if self.scaler is None:
+            if bad_count > 0:
+                return self._nonfinite("the loss is not finite on some rank", layouts)
+        else:
+            overflow = bad_count > 0
             scale = self.scaler.scale
             self.scaler.update(overflow)
             if overflow:
@@ -111,7 +142,7 @@ class StepControl:
                         f"{self.scaler.policy.window} steps in a row overflowed", layouts)
                 return False
             self.multiplier = 1.0 / scale
-        self.grad_norm = self._global_norm()
+        self.grad_norm = math.sqrt(total) * self.multiplier if total is not None else None
         if self.grad_norm is not None and not math.isfinite(self.grad_norm):
             # The norm's all-reduce is the flag reduced with the gradients: every rank sees it.
             return self._nonfinite("a gradient is not finite on some rank (its loss is)", layouts)
@@ -131,23 +162,22 @@ class StepControl:
                       stacklevel=5)
         return False
 
-    def _global_norm(self) -> Optional[float]:
-        """The norm of the whole (unscaled) gradient, [Note: clipping from shards]: shards in
-        memory are read here, shards on a tier were measured as the backward wrote them. None
-        when the backward updated some unit itself (Offload(step_in_backward=True)): its
-        gradient is gone, on every rank alike."""
+    def _sum_of_squares(self) -> Optional[torch.Tensor]:
+        """The whole gradient's sum of squares (of the scaled gradient under float16), summed over
+        ranks, a float64 tensor on the device, [Note: clipping from shards]: shards in memory are
+        read here, shards on a tier were measured as the backward wrote them. None when the
+        backward updated some unit itself (Offload(step_in_backward=True)): its gradient is gone,
+        on every rank alike."""
         self.state.settle_grads()
-        local = 0.0
+        local = torch.zeros(1, dtype=torch.float64, device=self.state.device)
         for unit, grad in self.state.grads.items():
             if isinstance(grad, torch.Tensor) and grad.numel() > 0:
-                local += float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+                local = local + torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
             elif unit in self.flags.sum_of_squares:
-                local += self.flags.sum_of_squares[unit]
+                local = local + self.flags.sum_of_squares[unit]
             else:
                 return None
-        total = self._wait(self.comm.all_reduce(torch.tensor([local], dtype=torch.float64), count=False),
-                           "the gradient norm's sum of squares").item()
-        return math.sqrt(total) * self.multiplier
+        return self._wait(self.comm.all_reduce(local, count=False), "the gradient norm's sum of squares")
 
     def sum_over_ranks(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """`t` summed over the ranks in place, for an update that needs sums over whole parameters

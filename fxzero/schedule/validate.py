@@ -1,7 +1,8 @@
 """Validation: the rules a schedule must keep before it runs, and the ranks' fingerprints.
 
 `validate` rejects a schedule that would read a collective's result before its wait, use a
-gathered buffer after its free, free twice or leave a gathered buffer allocated;
+gathered buffer after its free, free twice or leave a gathered buffer allocated, or break a rule
+of the streams ([Note: stream rules]);
 `collective_sequence` is what a step issues, which every rank must issue alike: the engine
 compares the ranks' digests before each step and `first_difference` turns a difference into an
 error on every rank, instead of a hang.
@@ -95,6 +96,63 @@ def _validate_program(p: ProgramSchedule, carried_in: Optional[dict[str, Instruc
     return carried_out
 
 
+def _ancestors(p: ProgramSchedule) -> list[int]:
+    """For each instruction, the set of instructions it runs after through its dependencies,
+    directly or not, as a bit set (bit j: instruction j)."""
+    out: list[int] = []
+    for ins in p.instructions:
+        bits = 0
+        for d in ins.deps:
+            bits |= (1 << d) | out[d]
+        out.append(bits)
+    return out
+
+
+def _check_streams(p: ProgramSchedule) -> None:
+    """[Note: stream rules]
+
+    The runtime may run each stream on its own device queue (compute; collectives; copies to
+    and from a tier), ordered across queues only by the events it records after an instruction
+    and waits for before another: the schedule's dependencies. So these must hold, checked here
+    on every schedule (the "missing wait" and "use after free" rules above are the third and the
+    order on the compute stream):
+
+    1. A side-stream instruction runs after every instruction that made a value it reads (an
+       all-gather after the cast that wrote its shard, a reduce-scatter after the compute that
+       flattened its gradient): otherwise the side stream reads a buffer still being written.
+    2. A free runs after every instruction that read the buffer it frees, and where a reader is
+       on a side stream, after that reader's wait: a buffer is released (and its memory reused)
+       only once every stream that touched it is past its last use. (No `record_stream`: as FSDP2
+       and torch's own offloading, the order is the schedule's, not the caching allocator's.)
+    """
+    ancestors = _ancestors(p)
+    index = {ins.name: i for i, ins in enumerate(p.instructions)}
+    wait_of = {ins.reads[0]: i for i, ins in enumerate(p.instructions) if ins.kind == "wait"}
+    for idx, ins in enumerate(p.instructions):
+        where = f"{p.name} program, instruction {idx} ({ins.kind} {ins.name}"
+        if ins.stream != "compute":
+            for r in ins.reads:
+                j = index.get(r)
+                if j is not None and j < idx and p.instructions[j].stream == "compute" and not ancestors[idx] >> j & 1:
+                    raise ScheduleError(
+                        f"{where}, on the {ins.stream} stream): reads {r}, made by instruction {j} on the compute "
+                        "stream, without depending on it (no event orders them: the side stream may read it before "
+                        "it is written)")
+        if ins.kind != "free":
+            continue
+        (buf,) = ins.reads
+        for j, other in enumerate(p.instructions[:idx]):
+            if buf not in other.touches and buf not in other.reads or other.kind == "wait" and other.name == buf:
+                continue
+            after = wait_of.get(other.name, j) if other.stream != "compute" else j
+            if not ancestors[idx] >> after & 1:
+                what = f"the wait of {other.kind} {other.name}" if after != j else f"{other.kind} {other.name}"
+                raise ScheduleError(
+                    f"{where}): frees {buf} without depending on {what} (instruction {after}), which "
+                    f"{'reads it on the ' + other.stream + ' stream' if other.stream != 'compute' else 'reads it'}: "
+                    "the buffer could be reused while a stream still reads it")
+
+
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError if the schedule breaks a rule; the message names the instruction."""
     if schedule.fingerprint != fingerprint_of(schedule.programs, schedule.units, schedule.stage):
@@ -105,6 +163,7 @@ def validate(schedule: Schedule) -> None:
     carried: dict[str, Instruction] = {}  # a program's reduce-scatters the next one waits for
     for p in schedule.programs:
         carried = _validate_program(p, carried)
+        _check_streams(p)
     if carried:
         first = next(iter(carried.values()))
         raise ScheduleError(f"{first.kind} {first.name} of unit {first.unit!r} is never waited for (missing wait)")

@@ -159,5 +159,5 @@ def test_a_cpu_only_kernel_in_a_gpu_program_is_an_error_naming_it():
 
 
 def test_only_cpu_and_cuda_programs():
-    with pytest.raises(ValueError, match="'cpu' or 'cuda', not 'mps'"):
+    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'meta', not 'mps'"):
         _compile("gpt-tiny", None, "mps")

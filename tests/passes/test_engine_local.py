@@ -167,3 +167,12 @@ def test_calls_out_of_order_are_errors_naming_the_call_to_make():
         engine.backward(loss.detach())
     engine.backward(loss)
     engine.step()  # in order, the same engine trains
+
+
+def test_memory_report_counts_device_and_host_bytes_apart():
+    """On a CPU rank host memory is the device's: every state the rank holds counts as device
+    bytes (the cpu tier, where used, is in `offloaded`)."""
+    engine, _, _, _ = _train_both("mlp", 3)
+    report = engine.memory_report()
+    assert report["host_bytes"] == 0
+    assert report["device_bytes"] == report["model_states"] + report["buffers"] > 0

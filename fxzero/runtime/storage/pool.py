@@ -34,7 +34,10 @@ __all__ = ["BufferPool"]
 
 class BufferPool:
     def __init__(self, *, per_size: int = 8, min_bytes: int = 1 << 20, max_bytes: int = 1 << 30,
-                 size_bytes: int = 128 << 20) -> None:
+                 size_bytes: int = 128 << 20, device: torch.device = torch.device("cpu")) -> None:
+        self.device = torch.device(device)
+        """Where `take` allocates. Only CPU buffers are kept for reuse: a GPU's caching allocator
+        already reuses freed blocks without returning them to the driver."""
         self.per_size = per_size
         self.size_bytes = size_bytes
         self.min_bytes = min_bytes
@@ -49,7 +52,10 @@ class BufferPool:
         return (numel, dtype, aligned) if nbytes >= self.min_bytes else None
 
     def take(self, numel: int, dtype: torch.dtype, *, aligned: bool = False) -> torch.Tensor:
-        """An uninitialized flat CPU tensor (data on an ALIGN boundary if `aligned`)."""
+        """An uninitialized flat tensor on the pool's device (on the CPU, data on an ALIGN boundary
+        if `aligned`)."""
+        if self.device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=self.device)
         key = self._key(numel, dtype, aligned)
         if key is not None and self._free.get(key):
             self.reused += 1
