@@ -254,3 +254,22 @@ def test_a_killed_ranks_nvme_folder_is_removed_at_the_next_start(tmp_path):
     kept = sorted(os.listdir(tmp_path))
     assert left not in kept and alive.name in kept and foreign.name in kept  # only the dead local one
     engine.close()
+
+
+def test_deepspeeds_usual_config_one_nvme_path_for_params_and_optimizer(tmp_path):
+    """DeepSpeed configs point offload_param and offload_optimizer at one nvme_path with other
+    buffer counts: two placements on one disk, each with a directory of its own (the second was a
+    'File exists' error), both removed at close."""
+    section = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = fxzero.Config.from_deepspeed({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {**section, "buffer_count": 5},
+                              "offload_optimizer": {**section, "buffer_count": 4}}})
+    params, optimizer = config.offload.params, config.offload.optimizer
+    assert params != optimizer and params.path == optimizer.path
+    engine, inputs = _engine(config)
+    assert len(os.listdir(tmp_path)) == 2
+    assert _train_step(engine, inputs) > 0
+    engine.close()
+    assert os.listdir(tmp_path) == []

@@ -59,7 +59,10 @@ def ranks_per_host(comm) -> int:
     return sum(h == hosts[comm.rank] for h in hosts)
 
 
-def _nvme_dir(placement: Nvme, rank: int) -> str:
+def _nvme_dir(placement: Nvme, rank: int, index: int = 0) -> str:
+    """This rank's directory under the placement's path; `index` tells apart the directories of
+    two placements on one path (DeepSpeed configs give offload_param and offload_optimizer the
+    same nvme_path, with different buffer counts: two tiers, one disk)."""
     if not os.path.isdir(placement.path):
         raise ValueError(
             f"[rank {rank}] Nvme(path={placement.path!r}): no such directory; create it (mkdir -p) "
@@ -71,7 +74,7 @@ def _nvme_dir(placement: Nvme, rank: int) -> str:
             "permissions or choose another directory"
         )
     _remove_stale_dirs(placement.path, rank)
-    path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}")
+    path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}" + (f"-{index}" if index else ""))
     try:
         os.makedirs(path, exist_ok=False)
         with open(os.path.join(path, _OWNER), "w") as f:
@@ -85,7 +88,7 @@ def _nvme_dir(placement: Nvme, rank: int) -> str:
 
 
 _OWNER = "owner.json"
-_RANK_DIR = re.compile(r"fxzero-rank\d+-\d+")
+_RANK_DIR = re.compile(r"fxzero-rank\d+-\d+(-\d+)?")
 
 
 def _host() -> str:
@@ -164,7 +167,7 @@ class OffloadStore:
             if not offload.offloaded(kind) or placement in self._tiers:
                 continue
             if isinstance(placement, Nvme):
-                path = _nvme_dir(placement, rank)
+                path = _nvme_dir(placement, rank, len(self._dirs))
                 self._dirs.append(path)
                 self._tiers[placement] = NvmeTier(
                     path, threads=placement.threads, block_bytes=placement.block_bytes, direct=placement.direct
