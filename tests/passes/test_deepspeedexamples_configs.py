@@ -108,9 +108,16 @@ def test_how_many_are_read():
     # DeepSpeed 0.19.8 itself refuses 35 of them: 17 use a feature it removed (its compression
     # library, MoQ, sparse attention, progressive layer drop), 18 a 1-bit optimizer it removed
     assert len(runs) == 40
-    assert (len(READ), len(set(READ) & runs)) == (32, 31)
-    # of the configs DeepSpeed runs, fxzero reads 31 of 40 (77.5%); every other one needs a feature
-    # fxzero does not have (FEATURES) or an optimizer it does not run (OPTIMIZER_TYPES: LAMB)
-    assert len(set(READ) & runs) / len(runs) >= 0.775
-    assert len(set(READ) & runs) / len(runs - set(OPTIMIZER_TYPES)) >= 0.79
-    assert len(OPTIMIZER_TYPES) == 19
+    assert (len(READ), len(set(READ) & runs)) == (38, 37)
+    # Of the configs DeepSpeed runs, fxzero reads 37 of 40 (92.5%, the bar 90%); each of the
+    # other three needs a feature fxzero does not have (FEATURES: ZenFlow, tensor parallelism,
+    # sequence parallelism). The 35 DeepSpeed refuses itself fxzero refuses too, naming the
+    # feature, but one: a compression section with every technique off, which DeepSpeed refuses for
+    # the removed key alone and fxzero reads as the plain training it asks for. 38 of the 75 in all.
+    assert len(set(READ) & runs) / len(runs) >= 0.9
+    assert runs - set(READ) == {"benchmarks__autosp__configs__autosp_config.json",
+                                "training__DeepSpeed-ZenFlow__finetuning__zf_config.json",
+                                "training__tensor_parallel__hf_integration__configs__ds_config.json"}
+    assert set(READ) - runs == {"compression__bert__config__ds_config.json"}
+    assert not set(OPTIMIZER_TYPES) & runs  # (every optimizer fxzero refuses, DeepSpeed 0.19.8 removed)
+    assert len(OPTIMIZER_TYPES) == 18
