@@ -176,6 +176,26 @@ def test_corruption_is_detected(tmp_path, direct, how, match):
         assert msg.startswith("[rank 0]")
 
 
+@pytest.mark.parametrize("how", ["flip", "flip_last"])
+def test_without_xxhash_the_tier_checks_crc32(tmp_path, monkeypatch, how):
+    """Where xxhash is not installed, the tier's files carry zlib's CRC-32: a round trip is exact
+    and a flipped byte is still found."""
+    import zlib
+
+    import fxzero.runtime.storage.nvme as nvme_module
+
+    monkeypatch.setattr(nvme_module, "_checksum", nvme_module._Crc32)
+    monkeypatch.setattr(nvme_module, "CHECKSUM", "crc32")
+    value = _tensor(5000, torch.float32)
+    with NvmeTier(tmp_path, block_bytes=8192) as tier:
+        tier.write("k", value).wait()
+        assert torch.equal(tier.read("k").wait(), value)
+        assert tier._record("k").checksum == zlib.crc32(value.numpy().tobytes())
+        _corrupt(tier, "k", how)
+        with pytest.raises(IOError, match=r"checksum mismatch: expected crc32 0x[0-9a-f]{16}, got"):
+            tier.read("k").wait()
+
+
 def test_rewritten_header_is_detected(nvme):
     # Same size on disk, but another key's file copied over this one: the header disagrees.
     nvme.write("a", _tensor(100, torch.float32, seed=1)).wait()

@@ -16,7 +16,8 @@ import io
 import os
 from typing import Iterable, Optional
 
-import xxhash
+from fxzero.runtime.checkpoint.format import xxh3, xxh3_hexdigest
+
 
 __all__ = ["ChecksumWriter", "CheckpointError", "checksum_file", "fsync_dir", "read_exact", "replace_file",
            "space_error"]
@@ -52,7 +53,7 @@ class ChecksumWriter:
     def __init__(self, path: str) -> None:
         self.path = path
         self._file = open(path, "wb")
-        self._whole = xxhash.xxh3_64()
+        self._whole = xxh3()
         self.size = 0
 
     def append(self, blob: bytes | memoryview) -> tuple[int, int, str]:
@@ -61,7 +62,7 @@ class ChecksumWriter:
         self._file.write(blob)
         self._whole.update(blob)
         self.size += len(blob)
-        return offset, len(blob), xxhash.xxh3_64_hexdigest(blob)
+        return offset, len(blob), xxh3_hexdigest(blob)
 
     @property
     def checksum(self) -> str:
@@ -80,7 +81,7 @@ class ChecksumWriter:
 
 
 def checksum_file(path: str, block: int = 16 << 20) -> str:
-    h = xxhash.xxh3_64()
+    h = xxh3()
     with open(path, "rb") as f:
         while chunk := f.read(block):
             h.update(chunk)
@@ -95,7 +96,7 @@ def read_exact(path: str, offset: int, length: int, checksum: Optional[str], wha
     if len(data) != length:
         raise CheckpointError(f"{path}: truncated: {what} needs bytes [{offset}, {offset + length}) and the file "
                               f"has {os.path.getsize(path)}; the checkpoint is incomplete, load another one")
-    if checksum is not None and xxhash.xxh3_64_hexdigest(data) != checksum:
+    if checksum is not None and xxh3_hexdigest(data) != checksum:
         raise CheckpointError(f"{path}: {what} (bytes [{offset}, {offset + length})) does not match its checksum: the "
                               "file was changed or damaged after it was written; load another checkpoint")
     return io.BytesIO(data)

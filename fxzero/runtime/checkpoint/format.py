@@ -39,7 +39,22 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import xxhash
+
+
+def xxh3():
+    """An incremental XXH3-64, the checksum every checkpoint file and chunk carries."""
+    try:
+        import xxhash
+    except ImportError as e:  # (imported here: fxzero itself runs without it, e.g. on a GPU machine's Python)
+        raise ImportError("fxzero's checkpoints carry XXH3 checksums, computed with the xxhash package: "
+                          "pip install xxhash") from e
+    return xxhash.xxh3_64()
+
+
+def xxh3_hexdigest(data) -> str:
+    digest = xxh3()
+    digest.update(data)
+    return digest.hexdigest()
 
 __all__ = ["ENGINE", "FORMAT", "LATEST", "MANIFEST", "METADATA", "PARAM_GROUPS", "VERSION", "data_file",
            "fingerprint", "model_tensors", "param_key", "planner_path", "rank_file", "state_key"]
@@ -94,7 +109,7 @@ def model_tensors(model: nn.Module, layouts) -> list[tuple[str, list[int], str]]
 
 def fingerprint(tensors: list) -> str:
     """XXH3-64 of the model's tensor list: two models with the same FQNs, shapes and dtypes match."""
-    return xxhash.xxh3_64_hexdigest(json.dumps([list(t) for t in tensors]).encode())
+    return xxh3_hexdigest(json.dumps([list(t) for t in tensors]).encode())
 
 
 def hf_config(model: nn.Module) -> Any:
