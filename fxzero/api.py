@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ def compile(
     *,
     state_dict: Optional[Mapping[str, torch.Tensor]] = None,
     model_parameters: Optional[Iterable[Any]] = None,
+    device: Optional[Union[str, torch.device]] = None,
 ) -> Engine:
     """Compile `model` for ZeRO training on this process's ranks.
 
@@ -79,12 +80,16 @@ def compile(
             `torch.manual_seed(config.seed)` would.
         model_parameters: the parameters, or param groups (dicts of "params" and options such as
             "weight_decay"), as a torch optimizer takes them; None: one group of all.
+        device: the rank's device; None: the launcher's (`cuda:LOCAL_RANK` where CUDA is
+            available, made current; else the CPU). "meta" runs a step that computes nothing:
+            a dry run that finds any buffer left in host memory and any host sync
+            (`fxzero/runtime/device.py`, `tools/gpu_check.py --dry-run`).
     """
     with _rng_untouched():
-        return _compile(model, config, state_dict, model_parameters)
+        return _compile(model, config, state_dict, model_parameters, device)
 
 
-def _compile(model, config, state_dict, model_parameters) -> Engine:
+def _compile(model, config, state_dict, model_parameters, device=None) -> Engine:
     if config is None:
         config = Config()
     if isinstance(config, (dict, str, os.PathLike)):
@@ -98,7 +103,7 @@ def _compile(model, config, state_dict, model_parameters) -> Engine:
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
     groups, group_of, ungrouped = param_groups(model, model_parameters, config.optimizer)  # (before any allocation)
     _ensure_process_group()
-    device = rank_device()
+    device = rank_device() if device is None else torch.device(device)
     if config.keep_host_memory and not torch.cuda.is_available():
         keep_freed_host_memory()
     comm = make_comm(config.link_emulation, config.transport, config.collective_timeout)

@@ -1,7 +1,7 @@
 """Every buffer a step allocates is on the rank's device, and a step reads the device once.
 
 Run on a stand-in accelerator whose tensors hold no values, the meta device ([Note: buffer
-kinds] in `fxzero/runtime/device.py`): `fxzero.compile` takes it as the rank's device, traces the
+kinds] in `fxzero/runtime/device.py`): `fxzero.compile(device="meta")` takes it as the rank's device, traces the
 program for it (attention's accelerator kernels, `fxzero/target_device.py`), materializes the
 model's states there, and trains. Then:
 
@@ -22,7 +22,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxzero
-import fxzero.api
 import fxzero.runtime.stepping as stepping
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.zoo import build
@@ -51,7 +50,7 @@ class HostAllocations(TorchDispatchMode):
 
 @pytest.fixture
 def meta_rank(monkeypatch):
-    """This process is a rank whose device is the meta device; returns the list of host reads."""
+    """Counts (and answers) the step's host reads; returns their list."""
     reads: list[int] = []
 
     def read(bad, squares):
@@ -60,7 +59,6 @@ def meta_rank(monkeypatch):
         reads.append(1)
         return 0.0, (1.0 if squares is not None else None)
 
-    monkeypatch.setattr(fxzero.api, "rank_device", lambda: META)
     monkeypatch.setattr(stepping, "read_step_numbers", read)
     return reads
 
@@ -70,7 +68,7 @@ def _train(model_name: str, stage: int, precision: str, steps: int = 2):
         model = build(model_name, n_blocks=2)
     config = fxzero.Config(stage=stage, cost_model=None, mixed_precision=PRECISIONS[precision],
                            gradient_clipping=1.0)
-    engine = fxzero.compile(model, config)
+    engine = fxzero.compile(model, config, device=META)
     x = torch.empty_like(model.example_inputs()[0], device=META)
 
     def step():
