@@ -41,6 +41,7 @@ _EXPORTS = {
     "Prefetch": "fxzero.config",
     "RAdam": "fxzero.config",
     "RMSprop": "fxzero.config",
+    "RandomLTD": "fxzero.config",
     "Rprop": "fxzero.config",
     "SGD": "fxzero.config",
     "UnitsPolicy": "fxzero.config",

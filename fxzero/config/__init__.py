@@ -5,6 +5,7 @@
   `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`, `Lamb`);
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
 - `precision`: `MixedPrecision`, float16's `LossScale`, and `Autocast`;
+- `random_ltd`: `RandomLTD`, DeepSpeed's random layer-token drop;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
@@ -14,6 +15,7 @@ from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Ad
                                     Lamb, LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
                                     UnitsPolicy)
 from fxzero.config.precision import Autocast, LossScale, MixedPrecision
+from fxzero.config.random_ltd import RandomLTD
 
 __all__ = [
     "OPTIMIZERS",
@@ -42,6 +44,7 @@ __all__ = [
     "Placement",
     "Prefetch",
     "RAdam",
+    "RandomLTD",
     "RMSprop",
     "Rprop",
     "SGD",
