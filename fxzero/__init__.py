@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ASGD": "fxzero.config",
+    "Activations": "fxzero.config",
     "Adadelta": "fxzero.config",
     "Adagrad": "fxzero.config",
     "Adam": "fxzero.config",

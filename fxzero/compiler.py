@@ -52,6 +52,15 @@ def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=N
     return bucket_units(layouts, max_bytes=max_bytes)
 
 
+def recompute_scopes(model: nn.Module, config: Config, forward_only: bool = False) -> tuple[str, ...]:
+    """The unit modules whose forward the backward recomputes ([Note: recomputing a unit]):
+    every module the units policy makes a unit, under `Activations(recompute="unit")`."""
+    if config.activations.recompute != "unit" or forward_only:
+        return ()
+    modules = dict(model.named_modules())
+    return tuple(lay.name for lay in plan_units(model, config.units, 1) if lay.name in modules and lay.name)
+
+
 def compile_program(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -83,7 +92,7 @@ def compile_program(
         layouts = [dataclasses.replace(layout, trainable=False) for layout in layouts]
     mp = config.mixed_precision
     traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
-                         forward_only=forward_only, device=device,
+                         forward_only=forward_only, device=device, scopes=recompute_scopes(model, config, forward_only),
                          trainable={s.fqn for lay in layouts if lay.trainable for s in lay.slots})
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))

@@ -206,7 +206,8 @@ def _constant(x: Any) -> bool:
 
 def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Optional[Mapping[str, Any]] = None,
                 param_dtype: Optional[torch.dtype] = None, forward_only: bool = False,
-                trainable: Optional[Collection[str]] = None, device: Any = "cpu") -> TracedJoint:
+                trainable: Optional[Collection[str]] = None, device: Any = "cpu",
+                scopes: Collection[str] = ()) -> TracedJoint:
     """Trace the joint forward+backward graph of `model` called as `model(*example_inputs, **kwargs)`.
 
     The call's tensor leaves are the graph's inputs; its other leaves (bools, ints, strings,
@@ -228,6 +229,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             that no longer requires grad gets no gradient (`gradless_fqns`), as torch leaves it.
         device: the device the program runs on: its kernels and allocations are that device's,
             traced on fake CPU tensors ([Note: tracing for a device] in `fxzero/target_device.py`).
+        scopes: module FQNs whose forward's nodes are tagged with it (`node.meta["fxzero_scope"]`):
+            the units whose computation a pass may recompute ([Note: recomputing a unit]).
 
     Raises:
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
@@ -344,13 +347,18 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         return [*outs, *grads]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
+    scoped = _scoped(model, scopes)
     # "symbolic" records how each size is computed from the inputs (aten.sym_size nodes).
     tracing_mode = "symbolic" if symbolic else "real"
-    with mode:
+    with mode, scoped:
         with kernels, _explains_data_dependence(shape_env):
             gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode)(*flat_args)
         detached = [t.detach() for t in flat_args]
-        gm = make_fx(torch.func.functionalize(gm_mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
+        # (with scopes, through an Interpreter, which hands each node's metadata to the nodes it becomes)
+        mutating = (lambda *a: fx.Interpreter(gm_mutating).run(*a)) if scopes else gm_mutating
+        gm = make_fx(torch.func.functionalize(mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
+    if scopes:
+        _scope_tags(gm)
 
     _inline_constants(gm)
     retarget(gm, device)
@@ -389,6 +397,47 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     shapes = (_input_shapes(shape_env, fake_inputs, gm, marked) if symbolic or _has_unbacked(gm)
               else InputShapes.static(fake_inputs))
     return TracedJoint(gm, signature, shapes)
+
+
+_SCOPE = "fxzero_scope"
+
+
+@contextlib.contextmanager
+def _scoped(model: nn.Module, scopes: Collection[str]):
+    """While tracing, every node a module of `scopes` makes in its forward carries its FQN (in
+    the "custom" metadata torch's tracer copies onto each node; `_scope_tags` moves it)."""
+    if not scopes:
+        yield
+        return
+    from torch.fx import traceback as fx_traceback
+
+    modules = dict(model.named_modules())
+    handles = []
+
+    def enter(name):
+        def hook(module, args):
+            fx_traceback.get_current_meta()["custom"] = {_SCOPE: name}
+        return hook
+
+    def leave(module, args, output):
+        fx_traceback.get_current_meta().pop("custom", None)
+
+    for name in scopes:
+        handles.append(modules[name].register_forward_pre_hook(enter(name)))
+        handles.append(modules[name].register_forward_hook(leave))
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _scope_tags(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        custom = node.meta.pop("custom", None)
+        if custom and _SCOPE in custom:
+            node.meta[_SCOPE] = custom[_SCOPE]
 
 
 def _check_output_sizes(outs: list, differentiable: tuple, paths: list[str], positions: list[int]) -> None:

@@ -6,9 +6,11 @@
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
 - `precision`: `MixedPrecision`, float16's `LossScale`, and `Autocast`;
 - `random_ltd`: `RandomLTD`, DeepSpeed's random layer-token drop;
+- `activations`: `Activations`, what the forward keeps for the backward and what is recomputed;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
+from fxzero.config.activations import Activations
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload, Placement, state_kinds
 from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Bucket,
@@ -22,6 +24,7 @@ __all__ = [
     "OPTIMIZER_STATES",
     "TRANSPORTS",
     "ASGD",
+    "Activations",
     "Adadelta",
     "Adagrad",
     "Adam",

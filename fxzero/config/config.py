@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from fxzero.config.activations import Activations
 from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
@@ -71,6 +72,10 @@ class Config:
     the program, the instruction and its unit (a rank that died or went another way)."""
     offload: Offload = Offload()
     """Where parameter shards, gradients and optimizer states live between uses (cpu, nvme)."""
+    activations: Activations = Activations()
+    """What the forward keeps for the backward: everything (default), or with
+    `Activations(recompute="unit")` each unit's inputs, its forward recomputed in the backward
+    ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
     gradient_accumulation_steps: Optional[int] = None
     """Micro-steps per optimizer step: `engine.step()` updates at every n-th call; the gradients of
     the calls between accumulate in the gradient shards (each backward's loss divided by n, as

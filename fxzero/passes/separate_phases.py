@@ -102,11 +102,35 @@ def _sizes_into_forward(graph: fx.Graph) -> int:
     return moved
 
 
-def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    return node.op == "call_function" and _param_only(node, memo)
+_SCOPE = "fxzero_scope"
 
 
-def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """[Note: recomputing a unit] A deterministic forward tensor computed inside a unit's module
+    whose every forward use is inside the same module: the backward may recompute it from the
+    unit's inputs. A value that leaves the unit (the next unit's input, an output of the
+    program) or a random operator's draw is kept."""
+    if node in memo:
+        return memo[node]
+    scope = node.meta.get(_SCOPE)
+    result = (node.op == "call_function" and scope is not None and phase(node) == FORWARD
+              and not _is_random(node) and not _is_size(node)
+              and all(u.op == "call_function" and (phase(u) == BACKWARD or u.meta.get(_SCOPE) == scope)
+                      for u in node.users))
+    if result and node.target is operator.getitem:  # (an element of a tuple the unit made: recomputed with it)
+        result = _interior(node.args[0], memo)
+    memo[node] = result
+    return result
+
+
+def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], units: bool = False,
+                   interior: dict[fx.Node, bool] | None = None) -> bool:
+    if node.op != "call_function":
+        return False
+    return _param_only(node, memo) or (units and _interior(node, interior))
+
+
+def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute_units: bool = False) -> PassResult:
     graph = gm.graph
     forward = _forward_set(graph, ctx)
     for node in graph.nodes:
@@ -117,13 +141,17 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sizes_moved = _sizes_into_forward(graph)
 
     memo: dict[fx.Node, bool] = {}
+    interior: dict[fx.Node, bool] = {}
     clones: dict[fx.Node, fx.Node] = {}
     recomputed = 0
 
+    def recomputable(node: fx.Node) -> bool:
+        return _can_recompute(node, memo, recompute_units, interior)
+
     def backward_copy(node: fx.Node, before: fx.Node) -> fx.Node:
         nonlocal recomputed
-        if node.op == "placeholder" or phase(node) == BACKWARD:
-            return node
+        if node.op == "placeholder" or phase(node) == BACKWARD or not recomputable(node):
+            return node  # (a value the forward keeps for the backward)
         if node not in clones:
             args = {i: backward_copy(i, before) for i in node.all_input_nodes}
             with graph.inserting_before(before):
@@ -137,7 +165,7 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node.op == "output" or phase(node) != BACKWARD:
             continue
         for inp in node.all_input_nodes:
-            if phase(inp) == FORWARD and _can_recompute(inp, memo):
+            if phase(inp) == FORWARD and recomputable(inp):
                 node.replace_input_with(inp, backward_copy(inp, node))
 
     graph.eliminate_dead_code()
@@ -149,3 +177,12 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)
+
+
+def make(recompute_units: bool = False) -> Pass:
+    """The pass; with `recompute_units`, each unit's interior forward values are recomputed in the
+    backward rather than kept ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
+    if not recompute_units:
+        return PASS
+    return Pass("separate_phases", lambda gm, ctx: separate_phases_pass(gm, ctx, recompute_units=True),
+                requires=REQUIRES, provides=PROVIDES)

@@ -1,0 +1,38 @@
+"""`Activations`: what the forward keeps for the backward, and what the backward recomputes.
+
+[Note: recomputing a unit]
+With `recompute="unit"` the forward keeps, of each unit's computation, only what flows into it
+from outside the unit (the previous unit's output, masks, positions) and what a random operator
+drew; the backward recomputes the rest of the unit's forward from those, right where its own
+backward needs it, after the unit's backward all-gather, which brings the parameters anyway: no
+extra gather, as `torch.utils.checkpoint` around each block does for FSDP without its second
+gather (pytorch#105635). A unit here is a module the units policy made a unit (a block); the
+root unit's computation (embeddings, the head, the loss) stays resident.
+
+Random operators (dropout) are not recomputed: their outputs (a dropped tensor and its mask) are
+kept, so a recomputed step equals a resident one bit for bit without replaying the RNG, at the
+cost of those outputs' bytes; the deterministic operators around them are recomputed. Tensor
+values are recomputed by the same operators on the same inputs, so they are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["RECOMPUTE", "Activations"]
+
+RECOMPUTE = ("none", "unit")
+"""Values of `Activations.recompute`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Activations:
+    """What the forward keeps for the backward ([Note: recomputing a unit])."""
+
+    recompute: str = "none"
+    """"none": every activation the backward reads is kept from the forward; "unit": of each unit,
+    its inputs (and random operators' outputs) are kept and the rest recomputed in the backward."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Activations(recompute=...) must be one of {RECOMPUTE}, got {self.recompute!r}")

@@ -1,0 +1,99 @@
+"""`Activations(recompute="unit")` ([Note: recomputing a unit] in `fxzero/config/activations.py`).
+
+One rank here (2 ranks: `tests/dist/test_recompute.py`). A Hugging Face GPT-2 with its dropouts
+trains bit for bit as the resident run does, with the same collectives, and keeps a third of the
+bytes for the backward; what it keeps of a unit is what flows into it or out of it and what a
+dropout drew, checked node by node; the backward's all-gathers are the resident program's, none
+added.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+import fxzero
+from fxzero.passes.separate_phases import _is_random
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64)  # dropouts at GPT-2's 0.1
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG)).state_dict()
+
+
+def _batches(n: int = 4) -> list[torch.Tensor]:
+    return [torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def _train(recompute: str, stage: int = 3):
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    config = fxzero.Config(stage=stage, cost_model=None, activations=fxzero.Activations(recompute=recompute))
+    engine = fxzero.compile(model, config, state_dict=_state())
+    torch.manual_seed(5)  # (the dropout masks: the same draws in both runs)
+    losses = []
+    for ids in _batches():
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return engine, losses
+
+
+def _saved(engine) -> list[torch.fx.Node]:
+    """The forward program's values kept for the backward (its outputs past the model's own)."""
+    forward = engine._stepping.compiled.programs["forward"]
+    outputs = next(n for n in forward.gm.graph.nodes if n.op == "output").args[0]
+    return [n for n in outputs if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _bytes(nodes) -> int:
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {recompute: _train(recompute) for recompute in ("none", "unit")}
+
+
+def test_a_recomputed_step_equals_the_resident_one_bit_for_bit(runs):
+    (resident, want), (recomputed, got) = runs["none"], runs["unit"]
+    assert got == want
+    state, expected = recomputed.full_state_dict(), resident.full_state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert recomputed.comm_report() == resident.comm_report()  # the same gathers and reductions
+
+
+def test_the_backward_gathers_no_more_than_the_resident_one(runs):
+    def gathers(engine):
+        return [i.unit for i in engine._stepping.compiled.schedule.program("backward").instructions
+                if i.kind == "all_gather"]
+
+    assert gathers(runs["unit"][0]) == gathers(runs["none"][0])
+
+
+def test_a_unit_keeps_what_crosses_its_edge_and_what_dropout_drew(runs):
+    engine = runs["unit"][0]
+    forward = engine._stepping.compiled.programs["forward"].gm.graph
+    by_name = {n.name: n for n in forward.nodes}
+    for node in _saved(engine):
+        scope = node.meta.get("fxzero_scope")
+        if scope is None:
+            continue  # (the root unit's computation stays resident)
+        made = by_name[node.name]
+        drew = _is_random(made) or (made.target is operator.getitem and _is_random(made.args[0]))
+        leaves = any(u.op == "call_function" and u.meta.get("fxzero_scope") != scope for u in made.users)
+        assert drew or leaves, f"{node.name} of {scope} is kept but neither leaves the unit nor was drawn"
+    resident = _bytes(_saved(runs["none"][0]))
+    assert _bytes(_saved(engine)) <= 0.35 * resident  # (measured 0.34: the blocks' inputs and dropout masks)
+
+
+def test_recompute_is_refused_by_name_for_what_it_does_not_know():
+    with pytest.raises(ValueError, match=r"Activations\(recompute=...\) must be one of \('none', 'unit'\), got 'all'"):
+        fxzero.Activations(recompute="all")

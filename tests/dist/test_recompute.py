@@ -1,0 +1,48 @@
+"""`Activations(recompute="unit")` on 2 ranks at ZeRO-3, fp32: a Hugging Face GPT-2 with its
+dropouts trains 10 steps bit for bit as the resident run does on the same ranks, with the same
+all-gather bytes ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxzero
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+STEPS = 10
+
+
+def _train(rank: int, recompute: str, stage: int):
+    torch.manual_seed(0)
+    state = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG)).state_dict()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    config = fxzero.Config(stage=stage, cost_model=None, activations=fxzero.Activations(recompute=recompute))
+    engine = fxzero.compile(model, config, state_dict=state)
+    torch.manual_seed(100 + rank)  # (each rank's dropout masks, alike in both runs)
+    losses = []
+    for step in range(STEPS):
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return losses, engine.full_state_dict(), engine.comm_report()
+
+
+def _both(rank: int, world_size: int, stage: int):
+    return {recompute: _train(rank, recompute, stage) for recompute in ("none", "unit")}
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_recompute_trains_as_the_resident_run_on_two_ranks(stage):
+    for rank, runs in enumerate(run_ranks(_both, 2, stage)):
+        (want, expected, traffic), (got, state, recomputed_traffic) = runs["none"], runs["unit"]
+        assert got == want, rank
+        assert all(torch.equal(state[k], expected[k]) for k in expected), rank
+        assert recomputed_traffic["all_gather"] == traffic["all_gather"]
+        assert recomputed_traffic == traffic
