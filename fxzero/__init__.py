@@ -59,7 +59,7 @@ _EXPORTS = {
 }
 """Public name -> the module that defines it."""
 
-_SUBMODULES = ("accelerator", "comm", "moe", "utils", "zero")
+_SUBMODULES = ("accelerator", "checkpointing", "comm", "moe", "utils", "zero")
 """DeepSpeed's namespaces fxzero provides (`deepspeed.zero.Init` -> `fxzero.zero.Init`), loaded as
 attributes on first use."""
 

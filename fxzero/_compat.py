@@ -131,3 +131,44 @@ def reduce_scatter_single(out, flat, *, op, group, async_op: bool):
 
 
 __all__ += ["all_gather_single", "reduce_scatter_single"]
+
+
+def checkpoint_regions(enter, leave):
+    """A context in which every `torch.utils.checkpoint.checkpoint` call runs its function plainly
+    between `enter()` and `leave()`, both checkpointing paths (torch's non-reentrant generator and
+    its reentrant `CheckpointFunction`, which checkpoint() looks up at each call), so a tracer sees
+    one region per call instead of checkpoint's own saved-tensor hooks and recompute."""
+    import contextlib
+
+    import torch.utils.checkpoint as checkpoint_module
+
+    def generator(*args, **kwargs):
+        enter()
+        try:
+            yield
+        finally:
+            leave()
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            enter()
+            try:
+                return function(*args)
+            finally:
+                leave()
+
+    @contextlib.contextmanager
+    def patched():
+        saved = checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction
+        checkpoint_module._checkpoint_without_reentrant_generator = generator
+        checkpoint_module.CheckpointFunction = Reentrant
+        try:
+            yield
+        finally:
+            checkpoint_module._checkpoint_without_reentrant_generator, checkpoint_module.CheckpointFunction = saved
+
+    return patched()
+
+
+__all__ += ["checkpoint_regions"]

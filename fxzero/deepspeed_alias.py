@@ -40,8 +40,8 @@ from typing import Optional
 
 __all__ = ["NAMES", "PROVIDED", "install", "installed"]
 
-PROVIDED = ("accelerator", "comm", "zero", "utils", "moe", "moe.utils", "moe.layer", "pipe", "runtime",
-            "runtime.engine")
+PROVIDED = ("accelerator", "checkpointing", "comm", "zero", "utils", "moe", "moe.utils", "moe.layer", "pipe",
+            "runtime", "runtime.engine")
 """DeepSpeed's modules fxzero provides (as fxzero.<name>), beside the package itself."""
 
 NAMES: dict[str, dict[str, str]] = {

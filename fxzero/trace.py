@@ -50,6 +50,7 @@ from fxzero._compat import (
     ShapeEnv,
     StatelessSymbolicContext,
     backed_hints,
+    checkpoint_regions,
     dynamic_dims_of,
     free_unbacked_symbols,
     get_decompositions,
@@ -229,8 +230,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             that no longer requires grad gets no gradient (`gradless_fqns`), as torch leaves it.
         device: the device the program runs on: its kernels and allocations are that device's,
             traced on fake CPU tensors ([Note: tracing for a device] in `fxzero/target_device.py`).
-        scopes: module FQNs whose forward's nodes are tagged with it (`node.meta["fxzero_scope"]`):
-            the units whose computation a pass may recompute ([Note: recomputing a unit]).
+        scopes: module FQNs whose forward is a recompute region (`node.meta["fxzero_scope"]`, [Note:
+            recompute regions]); the model's own torch.utils.checkpoint calls are regions too.
 
     Raises:
         TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
@@ -300,7 +301,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
     # specialize them to the example's.
     fp, fb, fi = fresh_args()
     kernels = TargetKernels(device)
-    with kernels, mode, torch.enable_grad(), _explains_data_dependence(shape_env), \
+    regions = _Regions(model, scopes)
+    with kernels, regions.installed(), mode, torch.enable_grad(), _explains_data_dependence(shape_env), \
             shape_env.ignore_fresh_unbacked_symbols():
         if symbolic:
             found: list = []
@@ -347,18 +349,18 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         return [*outs, *grads]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
-    scoped = _scoped(model, scopes)
     # "symbolic" records how each size is computed from the inputs (aten.sym_size nodes).
     tracing_mode = "symbolic" if symbolic else "real"
-    with mode, scoped:
+    tagged = regions.seen  # (units to recompute, or the model's own checkpoint calls, met in the fake forward)
+    with mode, regions.installed(), regions.tagging(tagged):
         with kernels, _explains_data_dependence(shape_env):
             gm_mutating = make_fx(joint, decomposition_table=_DECOMPOSITIONS, tracing_mode=tracing_mode)(*flat_args)
         detached = [t.detach() for t in flat_args]
-        # (with scopes, through an Interpreter, which hands each node's metadata to the nodes it becomes)
-        mutating = (lambda *a: fx.Interpreter(gm_mutating).run(*a)) if scopes else gm_mutating
+        # (tagged, through an Interpreter, which hands each node's metadata to the nodes it becomes)
+        mutating = (lambda *a: fx.Interpreter(gm_mutating).run(*a)) if tagged else gm_mutating
         gm = make_fx(torch.func.functionalize(mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
-    if scopes:
-        _scope_tags(gm)
+    if tagged:
+        _region_tags(gm)
 
     _inline_constants(gm)
     retarget(gm, device)
@@ -402,38 +404,76 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
 _SCOPE = "fxzero_scope"
 
 
-@contextlib.contextmanager
-def _scoped(model: nn.Module, scopes: Collection[str]):
-    """While tracing, every node a module of `scopes` makes in its forward carries its FQN (in
-    the "custom" metadata torch's tracer copies onto each node; `_scope_tags` moves it)."""
-    if not scopes:
-        yield
-        return
-    from torch.fx import traceback as fx_traceback
+class _Regions:
+    """[Note: recompute regions] While tracing, every node made inside a region carries the
+    region's name (`node.meta["fxzero_scope"]`), and separate_phases recomputes a region's
+    interior in the backward ([Note: recomputing a unit] in `fxzero/config/activations.py`). The
+    regions: the forward of each module in `units` (under `Activations(recompute="unit")`), and
+    each call of `torch.utils.checkpoint.checkpoint`, the model's own activation checkpointing
+    (Hugging Face's `gradient_checkpointing_enable()`, `fxzero.checkpointing.checkpoint`, which
+    is DeepSpeed's `deepspeed.checkpointing.checkpoint`). Such a call runs its function plainly
+    while tracing: the program recomputes its region, by the rule every region follows, instead
+    of torch's saved-tensor hooks running the function again outside the traced forward.
 
-    modules = dict(model.named_modules())
-    handles = []
+    The name travels in the "custom" metadata torch's tracer copies onto each node it makes
+    (`_region_tags` moves it), which it does only under `preserve_node_meta`: `tagging`."""
 
-    def enter(name):
-        def hook(module, args):
-            fx_traceback.get_current_meta()["custom"] = {_SCOPE: name}
-        return hook
+    def __init__(self, model: nn.Module, units: Collection[str]) -> None:
+        self.model, self.units = model, tuple(units)
+        self.stack: list[str] = []
+        self.calls = 0
+        self.seen = bool(self.units)
 
-    def leave(module, args, output):
-        fx_traceback.get_current_meta().pop("custom", None)
+    def _show(self) -> None:
+        from torch.fx import traceback as fx_traceback
 
-    for name in scopes:
-        handles.append(modules[name].register_forward_pre_hook(enter(name)))
-        handles.append(modules[name].register_forward_hook(leave))
-    try:
+        meta = fx_traceback.get_current_meta()
+        if self.stack:
+            meta["custom"] = {_SCOPE: self.stack[-1]}
+        else:
+            meta.pop("custom", None)
+
+    def enter(self, name: str) -> None:
+        self.seen = True
+        self.stack.append(name)
+        self._show()
+
+    def leave(self) -> None:
+        self.stack.pop()
+        self._show()
+
+    def _checkpoint_call(self) -> None:
+        self.calls += 1
+        self.enter(f"checkpoint:{self.calls}")
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Hooks on the unit modules and torch.utils.checkpoint's calls as regions (`_compat`)."""
+        modules = dict(self.model.named_modules())
+        handles = []
+        for name in self.units:
+            handles.append(modules[name].register_forward_pre_hook(lambda m, a, name=name: self.enter(name)))
+            handles.append(modules[name].register_forward_hook(lambda m, a, o: self.leave()))
+        self.calls = 0
+        try:
+            with checkpoint_regions(self._checkpoint_call, self.leave):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextlib.contextmanager
+    def tagging(self, on: bool):
+        if not on:
+            yield
+            return
+        from torch.fx import traceback as fx_traceback
+
         with fx_traceback.preserve_node_meta():
             yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
-def _scope_tags(gm: fx.GraphModule) -> None:
+def _region_tags(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         custom = node.meta.pop("custom", None)
         if custom and _SCOPE in custom:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from fxzero.config.activations import Activations
 from fxzero.config.deepspeed_defaults import DEFAULTS, FIELD_NAMES, OPTIMIZER_DEFAULTS, deepspeed_optimizer, value
 from fxzero.config.deepspeed_keys import (
     AUTO_IMPLIED, ELEMENTWISE_TORCH, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
@@ -320,6 +321,16 @@ def _low_precision_masters(get: Any, mp: "MixedPrecision | None", offload: Offlo
                           optimizer_dtype=torch.bfloat16 if states else torch.float32)
 
 
+def _activation_checkpointing(notes: list[str]) -> Activations:
+    """"activation_checkpointing" -> `Activations(recompute="unit")`. DeepSpeed's section configures
+    `deepspeed.checkpointing`, which only the model's own calls of its `checkpoint` use (an
+    unmodified model checkpoints nothing, DeepSpeed#5704); fxzero recomputes every unit's forward
+    with no model edits, as the section's user asks ([Note: recomputing a unit])."""
+    notes.append('"activation_checkpointing": every unit\'s forward is recomputed in the backward '
+                 '(Activations(recompute="unit")), the model unmodified; its inputs and dropout\'s draws are kept')
+    return Activations(recompute="unit")
+
+
 def _autocast(ds: dict[str, Any], get: Any, mp: "MixedPrecision | None", notes: list[str]) -> "Autocast | None":
     """"torch_autocast" -> `Autocast`: DeepSpeed's engine runs its forward under
     torch.autocast(<accelerator>, dtype) (`runtime/torch_autocast.py`, `autocast_if_enabled`)."""
@@ -450,6 +461,8 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         dataloader_drop_last=bool(get("dataloader_drop_last")),
     )
     fields["autocast"] = _autocast(ds, get, fields["mixed_precision"], notes)
+    if ds.get("activation_checkpointing") is not None:
+        fields["activations"] = _activation_checkpointing(notes)
     random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
     if random_ltd is not None:
         fields["random_ltd"] = random_ltd

@@ -296,10 +296,26 @@ KEYS: dict[str, Key] = {
     "zero_optimization.save_muon_momentum_buffer_in_memory": _none("fxzero has no Muon optimizer"),
     "zero_optimization.leaf_module": _none("fxzero traces one graph; units come from Config.units"),
     # -- features fxzero does not have (an error where they would change training) ------------
-    "activation_checkpointing": _none("configures deepspeed.checkpointing, which a model calls itself; fxzero "
-                                      "has no activation checkpointing yet (planned)"),
+    "activation_checkpointing": _section("activation checkpointing: fxzero recomputes every unit's forward in the "
+                                         "backward (Activations(recompute=\"unit\")) with no model edits, where "
+                                         "DeepSpeed's needs the model to call deepspeed.checkpointing.checkpoint"),
+    "activation_checkpointing.partition_activations": _none(
+        "splits each checkpoint over model-parallel ranks; fxzero has no model parallelism: each rank keeps its own "
+        "micro-batch's unit inputs"),
+    "activation_checkpointing.cpu_checkpointing": _none(
+        "moves checkpoints to host memory; fxzero keeps the units' inputs where the rank computes (activation "
+        "offload is not in fxzero yet)"),
+    "activation_checkpointing.contiguous_memory_optimization": _none(
+        "copies checkpoints into one preallocated buffer; fxzero keeps the program's own tensors"),
+    "activation_checkpointing.number_checkpoints": _none("sizes that buffer; fxzero keeps one input per unit"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _none(
+        "synchronizes the device at each checkpoint, for profiling; fxzero adds no host sync"),
+    "activation_checkpointing.profile": _none(
+        "times the checkpointed forwards for DeepSpeed's log; fxzero's timeline is `fxzero schedule --trace`"),
     "aio": _none("fxzero's NVMe I/O uses O_DIRECT and its own thread pool (Nvme.threads)"),
-    "checkpoint": _none("no checkpoints yet (the checkpoint issue)"),
+    "checkpoint": _none("options of DeepSpeed's own checkpoint format (tag validation, universal checkpoints, "
+                        "node-local storage, parallel writing); fxzero writes torch.distributed.checkpoint's "
+                        "(docs/checkpoints.md), which loads at another world size without a conversion"),
     "flops_profiler": _off(_MONITOR, honoured=({}, {"enabled": False})),
     "tensorboard": _off(_MONITOR, honoured=({}, {"enabled": False})),
     "wandb": _off(_MONITOR, honoured=({}, {"enabled": False})),

@@ -5,6 +5,11 @@ A forward value the backward uses is saved across the boundary, unless it is der
 parameters alone (a view, a transpose, a cast of a weight): such a value is recomputed in the
 backward from the unit's own buffer, so gathered parameters never cross the boundary.
 
+Inside a recompute region (a unit under `Activations(recompute="unit")`, a model's own
+torch.utils.checkpoint call: [Note: recompute regions] in `fxzero/trace.py`), a value that stays
+in the region is recomputed in the backward the same way, from what the region kept: its inputs
+and its random operators' draws ([Note: recomputing a unit] in `fxzero/config/activations.py`).
+
 A size (`aten.sym_size` of a forward value, and arithmetic on sizes, in a program traced with
 symbolic sizes) that the backward reads is computed in the forward: the backward then saves an
 int, not the tensor whose size it is ([Note: any size, one program] in `fxzero/ir/shapes.py`).
@@ -106,10 +111,11 @@ _SCOPE = "fxzero_scope"
 
 
 def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
-    """[Note: recomputing a unit] A deterministic forward tensor computed inside a unit's module
-    whose every forward use is inside the same module: the backward may recompute it from the
-    unit's inputs. A value that leaves the unit (the next unit's input, an output of the
-    program) or a random operator's draw is kept."""
+    """[Note: recomputing a unit] A deterministic forward tensor computed inside a recompute
+    region (a unit's module, a torch.utils.checkpoint call: [Note: recompute regions] in
+    `fxzero/trace.py`) whose every forward use is inside the same region: the backward recomputes
+    it from the region's inputs. A value that leaves the region (the next one's input, an output
+    of the program) or a random operator's draw is kept."""
     if node in memo:
         return memo[node]
     scope = node.meta.get(_SCOPE)
@@ -123,14 +129,13 @@ def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     return result
 
 
-def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], units: bool = False,
-                   interior: dict[fx.Node, bool] | None = None) -> bool:
+def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.Node, bool]) -> bool:
     if node.op != "call_function":
         return False
-    return _param_only(node, memo) or (units and _interior(node, interior))
+    return _param_only(node, memo) or _interior(node, interior)
 
 
-def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute_units: bool = False) -> PassResult:
+def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     forward = _forward_set(graph, ctx)
     for node in graph.nodes:
@@ -146,7 +151,7 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute_units: 
     recomputed = 0
 
     def recomputable(node: fx.Node) -> bool:
-        return _can_recompute(node, memo, recompute_units, interior)
+        return _can_recompute(node, memo, interior)
 
     def backward_copy(node: fx.Node, before: fx.Node) -> fx.Node:
         nonlocal recomputed
@@ -177,12 +182,3 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute_units: 
 
 
 PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)
-
-
-def make(recompute_units: bool = False) -> Pass:
-    """The pass; with `recompute_units`, each unit's interior forward values are recomputed in the
-    backward rather than kept ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
-    if not recompute_units:
-        return PASS
-    return Pass("separate_phases", lambda gm, ctx: separate_phases_pass(gm, ctx, recompute_units=True),
-                requires=REQUIRES, provides=PROVIDES)

@@ -94,6 +94,47 @@ def test_a_unit_keeps_what_crosses_its_edge_and_what_dropout_drew(runs):
     assert _bytes(_saved(engine)) <= 0.35 * resident  # (measured 0.34: the blocks' inputs and dropout masks)
 
 
+def _train_checkpointed_hf(eager: bool):
+    """GPT-2 after gradient_checkpointing_enable() (torch.utils.checkpoint around each block):
+    fxzero's engine, or eager PyTorch."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    model.gradient_checkpointing_enable()
+    if eager:
+        model.load_state_dict(_state())
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    else:
+        config = fxzero.Config(stage=3, cost_model=None, optimizer=fxzero.AdamW(lr=1e-3, weight_decay=0.0))
+        model = engine = fxzero.compile(model, config, state_dict=_state())
+    torch.manual_seed(5)
+    losses = []
+    for ids in _batches(3):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        if eager:
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            engine.backward(out.loss)
+            engine.step()
+        losses.append(out.loss.item())
+    return losses, (model.state_dict() if eager else engine.full_state_dict()), (None if eager else engine)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_a_model_that_checkpoints_itself_trains_as_eager_and_keeps_less(runs):
+    """Hugging Face's gradient_checkpointing_enable(): each checkpoint call is a recompute region
+    ([Note: recompute regions] in fxzero/trace.py); it equals eager PyTorch's checkpointed run
+    (its dropout masks restored from the RNG state, fxzero's kept) and keeps what "unit" keeps."""
+    got, state, engine = _train_checkpointed_hf(eager=False)
+    want, expected, _ = _train_checkpointed_hf(eager=True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for k in expected:
+        if k in state:
+            torch.testing.assert_close(state[k], expected[k], rtol=1e-5, atol=1e-6)
+    assert _bytes(_saved(engine)) == _bytes(_saved(runs["unit"][0]))
+
+
 def test_recompute_is_refused_by_name_for_what_it_does_not_know():
     with pytest.raises(ValueError, match=r"Activations\(recompute=...\) must be one of \('none', 'unit'\), got 'all'"):
         fxzero.Activations(recompute="all")
