@@ -17,21 +17,31 @@ from fxzero.config import LinkEmulation
 from fxzero.runtime.comm.base import Comm, LocalComm, Pending, Traffic
 from fxzero.runtime.comm.shm import ShmComm, shared_memory_unavailable
 
-__all__ = ["Comm", "LocalComm", "Pending", "ShmComm", "Traffic", "make_comm"]
+__all__ = ["Comm", "LocalComm", "Pending", "ShmComm", "Traffic", "make_comm", "reductions_apart"]
 
 
-_GROUPS: dict[float, dist.ProcessGroup] = {}
-"""Collective timeout in seconds -> fxzero's group over the default process group's ranks."""
+_GROUPS: dict[tuple[Optional[float], str], dist.ProcessGroup] = {}
+"""(collective timeout in seconds, purpose) -> fxzero's group over the default group's ranks."""
 
 
-def _group(timeout_s: Optional[float]) -> Optional[dist.ProcessGroup]:
+def _group(timeout_s: Optional[float], purpose: str = "") -> Optional[dist.ProcessGroup]:
     """A group of every rank whose collectives give up after `timeout_s` (the default group's
-    timeout is the launcher's choice, 30 minutes for gloo); None: the default group."""
-    if timeout_s is None:
+    timeout is the launcher's choice, 30 minutes for gloo); None: the default group. A `purpose`
+    ("reduce") asks for a group of its own, beside the one for gathers."""
+    if timeout_s is None and not purpose:
         return None
-    if timeout_s not in _GROUPS:
-        _GROUPS[timeout_s] = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
-    return _GROUPS[timeout_s]
+    key = (timeout_s, purpose)
+    if key not in _GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        _GROUPS[key] = dist.new_group(timeout=timeout)
+    return _GROUPS[key]
+
+
+def reductions_apart() -> bool:
+    """Whether reductions get a process group of their own ([Note: a group per kind] in `base.py`):
+    where the default group's backend is NCCL, which runs each group's collectives in order on one
+    stream; gloo's ranks keep one group (its collectives already run on their own threads)."""
+    return "nccl" in str(dist.get_backend())
 
 
 def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto",
@@ -48,7 +58,7 @@ def make_comm(link: Optional[LinkEmulation] = None, transport: str = "auto",
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return LocalComm(link=link)  # (a process group of one, as DeepSpeed makes, needs no collectives)
     group = _group(timeout_s)
-    comm = Comm(group, link=link)
+    comm = Comm(group, link=link, reduce_group=_group(timeout_s, "reduce") if reductions_apart() else None)
     if transport == "process_group":
         return comm
     why = shared_memory_unavailable(comm)

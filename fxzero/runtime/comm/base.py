@@ -55,10 +55,20 @@ class Pending(NamedTuple):
 
 
 class Comm:
-    """Collectives over a torch.distributed process group."""
+    """Collectives over a torch.distributed process group.
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, link: Optional[LinkEmulation] = None) -> None:
+    [Note: a group per kind]
+    NCCL runs the collectives of one process group in issue order on one stream, so a
+    reduce-scatter issued behind an all-gather waits for it even where the two could overlap.
+    Where the backend is NCCL, the reductions (reduce-scatters, all-reduces) therefore go over a
+    second group of the same ranks, `reduce_group`, as SimpleFSDP does; every rank issues each
+    group's collectives in the schedule's order, so neither group can pair mismatched calls.
+    Gathers and object exchanges stay on `group`."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, link: Optional[LinkEmulation] = None,
+                 reduce_group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
+        self.reduce_group = reduce_group if reduce_group is not None else group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.traffic: dict[str, Traffic] = collections.defaultdict(Traffic)
@@ -78,10 +88,10 @@ class Comm:
         return all_gather_single(out, shard, group=self.group, async_op=True)
 
     def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> Optional[dist.Work]:
-        return reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
 
     def _all_reduce(self, flat: torch.Tensor) -> Optional[dist.Work]:
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, count: bool = True) -> Pending:
         """Gather every rank's `shard` into `out` (length world_size * shard length)."""
@@ -136,7 +146,7 @@ class LocalComm(Comm):
     """A world of one: no process group, collectives are local copies."""
 
     def __init__(self, link: Optional[LinkEmulation] = None) -> None:
-        self.group = None
+        self.group = self.reduce_group = None
         self.rank = 0
         self.world_size = 1
         self.traffic = collections.defaultdict(Traffic)
