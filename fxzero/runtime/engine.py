@@ -31,7 +31,7 @@ from fxzero.ir.instruction import Instruction
 from fxzero.ir.signature import flatten_call
 from fxzero.runtime import checkpoint
 from fxzero.runtime.agreement import agree
-from fxzero.runtime.autograd import RunProgram
+from fxzero.runtime.autograd import RunProgram, SavedActivations
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
@@ -41,7 +41,7 @@ from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.optim import WholeSums, optim_step
-from fxzero.runtime.state import RankState
+from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.user_module import UserModule
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
@@ -93,6 +93,7 @@ class Engine:
         self._layout = {lay.name: lay for lay in state.layouts}
         self._cache: collections.OrderedDict[Any, Runners] = collections.OrderedDict()  # (LRU, bounded)
         self._gathered = GatheredMemory()
+        self._activations = SavedActivations()  # (counted by the autograd bridge, autograd.py)
         self._pool = BufferPool(device=state.device)  # per-unit buffers reused across units and steps (storage/pool.py)
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
@@ -313,9 +314,10 @@ class Engine:
     forward = __call__
 
     def _run_forward(self, runners: Runners, inputs, for_backward: bool = True
-                     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
-        """The outputs and the values saved for the backward (None when no backward can follow:
-        under no_grad, whose buffers kept for the backward are released here)."""
+                     ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]], int]:
+        """The outputs, the values saved for the backward (None when no backward can follow:
+        under no_grad, whose buffers kept for the backward are released here), and the bytes of
+        those that are activations (not gathered parameters kept for the backward)."""
         program = runners.compiled.programs["forward"]
         results = runners.forward.run(self._bind(runners.forward, program, {"input": inputs}), self._record)
         sig = runners.compiled.signature
@@ -325,14 +327,16 @@ class Engine:
         if n_buf:
             self._user.bind_buffers()
         saved = results[n_out + n_buf :]
+        kept = set(runners.forward.program.kept_names)
+        names = [key for kind, key in program.outputs if kind == "saved"]
         if not for_backward:
-            kept = set(runners.forward.program.kept_names)
-            names = [key for kind, key in program.outputs if kind == "saved"]
             for name, value in zip(names, saved):
                 if name in kept:
                     runners.forward.release_kept(name, value)
-            saved = None
-        return results[:n_out], saved
+            return results[:n_out], None, 0
+        activations = storage_bytes(v for name, v in zip(names, saved)
+                                    if name not in kept and isinstance(v, torch.Tensor))
+        return results[:n_out], saved, activations
 
     def _run_backward(self, runners: Runners, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
         program = runners.compiled.programs["backward"]
@@ -685,13 +689,16 @@ class Engine:
         """Bytes this rank holds now, by category (`RankState.memory_report`; `unreduced_grads`: the
         full gradients kept between boundaries by Config(gradient_accumulation="local"), counted
         in model_states too), plus the gathered
-        parameter buffers alive now and at most (`gathered`, `gathered_peak`) and the state shards
-        fetched from a tier and not yet released (`staged`, `staged_peak`)."""
+        parameter buffers alive now and at most (`gathered`, `gathered_peak`), the state shards
+        fetched from a tier and not yet released (`staged`, `staged_peak`), and the activations
+        forwards keep for their backwards (`activations`, `activations_peak`: the storages held,
+        so fewer under `Activations(recompute="unit")`)."""
         g = self._gathered
         report = self.state.memory_report()
         unreduced = sum(t.numel() * t.element_size() for t in self._unreduced.values())
         return {**report, "unreduced_grads": unreduced, "model_states": report["model_states"] + unreduced,
-                "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak}
+                "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak,
+                "activations": self._activations.current, "activations_peak": self._activations.peak}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset

@@ -138,3 +138,20 @@ def test_a_model_that_checkpoints_itself_trains_as_eager_and_keeps_less(runs):
 def test_recompute_is_refused_by_name_for_what_it_does_not_know():
     with pytest.raises(ValueError, match=r"Activations\(recompute=...\) must be one of \('none', 'unit'\), got 'all'"):
         fxzero.Activations(recompute="all")
+
+
+def test_memory_report_counts_the_activations_kept_until_the_backward():
+    held = {}
+    for recompute in ("none", "unit"):
+        engine, _ = _train(recompute)
+        ids = _batches(1)[0]
+        assert engine.memory_report()["activations"] == 0  # (every forward's backward has run)
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        held[recompute] = engine.memory_report()["activations"]  # (the storages held: views count once)
+        engine.backward(out.loss)
+        assert engine.memory_report()["activations"] == 0
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        del out  # (a forward whose graph is dropped without a backward releases them too)
+        assert engine.memory_report()["activations"] == 0
+        assert engine.memory_report()["activations_peak"] >= held[recompute] > 0
+    assert held["unit"] < 0.5 * held["none"]

@@ -1,0 +1,125 @@
+"""Activation recompute side by side: the 25M zoo GPT at long sequence, resident against
+`Activations(recompute="unit")`, on 2 CPU ranks.
+
+    .venv/bin/python tools/recompute_memory.py --seq 1024 --batch 4 --rounds 2
+
+One invocation runs the two policies alternately (resident, unit, resident, unit, ...), each in
+fresh rank processes (torchrun, gloo, one thread per rank), the same model, data and steps. Each
+run prints, per rank: the median step time of the timed steps, peak RSS (VmHWM), the activation
+bytes the forward keeps for the backward (the compiled program's saved tensors, from their shapes;
+`kept_gathered_bytes` apart: gathered parameters the prefetch keeps for the backward) and the
+losses; the last line compares the policies (unit / resident) by medians over rounds. Losses must
+be equal bit for bit (recompute changes where values are computed, not their arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+POLICIES = ("none", "unit")
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import fxzero
+    from fxzero.zoo import gpt
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = gpt("small", seq_len=args.seq)
+    config = fxzero.Config(stage=3, seed=0, cost_model=None, activations=fxzero.Activations(recompute=args.policy))
+    engine = fxzero.compile(model, config)
+    rank = engine.rank
+    gen = torch.Generator().manual_seed(7 + rank)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+               for _ in range(args.warmup + args.steps)]
+    times, losses = [], []
+    for i, ids in enumerate(batches):
+        start = time.perf_counter()
+        loss = F.cross_entropy(engine(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        engine.backward(loss)
+        engine.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    forward = engine._stepping.compiled.programs["forward"].gm.graph
+    kept = next(n for n in forward.nodes if n.op == "output").args[0]
+    kept = [n for n in kept if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    # (gathered parameters the prefetch keeps for the backward are not activations: apart)
+    gathered = [n for n in kept if n.meta.get("fxzero", {}).get("kept")]
+    activations = [n for n in kept if not n.meta.get("fxzero", {}).get("kept")]
+    kept_bytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in activations)
+    kept_gathered = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in gathered)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    line = {"event": "rank", "policy": args.policy, "rank": rank, "median_step_s": statistics.median(times),
+            "peak_rss_bytes": hwm, "kept_bytes": kept_bytes, "kept_gathered_bytes": kept_gathered, "losses": losses}
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # (the ranks' stdout interleaves)
+        json.dump(line, f)
+
+
+def run(policy: str, args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+               __file__, "--rank-main", "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        if proc.returncode:
+            raise RuntimeError(f"{policy}: rank processes failed:\n{proc.stderr[-3000:]}")
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.ranks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--policy", choices=POLICIES, default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="which to run (default both; a long sequence the resident run cannot fit: unit)")
+    args = parser.parse_args()
+    if args.rank_main:
+        return rank_main(args)
+    print(json.dumps({"event": "config", **{k: v for k, v in vars(args).items()
+                                            if k not in ("policy", "rank_main", "out")}}))
+    results: dict[str, list[list[dict]]] = {p: [] for p in args.policies}
+    for r in range(args.rounds):
+        for policy in args.policies:
+            ranks = run(policy, args)
+            results[policy].append(ranks)
+            for line in ranks:
+                print(json.dumps({**line, "round": r}), flush=True)
+
+    def median(policy: str, key: str) -> float:
+        return statistics.median(max(line[key] for line in ranks) for ranks in results[policy])
+
+    summary = {"event": "summary"}
+    for key in ("median_step_s", "peak_rss_bytes", "kept_bytes"):
+        summary[key] = {p: median(p, key) for p in args.policies}
+        if len(args.policies) == 2:
+            summary[key]["unit_over_resident"] = summary[key]["unit"] / summary[key]["none"]
+    if len(args.policies) == 2:  # (each rank's losses, resident against unit, round by round)
+        summary["losses_equal"] = all(a["losses"] == b["losses"]
+                                      for ra, rb in zip(results["none"], results["unit"]) for a, b in zip(ra, rb))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
