@@ -19,9 +19,10 @@ least `MIN_DEFAULT_BUDGET` (see `Prefetch.max_live_bytes`).
 
 Reduce-scatters. Before: rs_k = reduce_scatter(g_k); gshard_k = wait(rs_k) right away. After:
 the wait sinks at least to just before the next reduce-scatter is issued, so unit k's reduction
-overlaps unit k-1's backward compute; and further, past later reduce-scatters or to the end of
-the backward, while the flat gradients in flight plus the gathered buffers stay within the same
-budget. A wait that blocks compute while the link is still busy with prefetched gathers would
+overlaps unit k-1's backward compute, whatever the budget (one flat gradient more than the budget
+where the budget cannot hold it: the overlap is what the budget is for); and further, past later
+reduce-scatters or to the end of the backward, while the flat gradients in flight plus the
+gathered buffers stay within the budget. A wait that blocks compute while the link is still busy with prefetched gathers would
 leave the link idle later, when the remaining reduce-scatters cannot be issued yet.
 
 "Bytes alive" counts gathered buffers (gather to free) and flat gradients being reduced
@@ -98,9 +99,13 @@ def _sink_reduce_scatter_waits(graph: fx.Graph, ctx: PassContext, budget: int) -
         intervals = live_intervals(graph, ctx)
         nbytes = intervals[rs][2]
         live = live_after(nodes, pos, intervals, skip=rs)
-        # The wait goes before nodes[end]: as late as the budget allows (the flat gradient is
-        # alive after each node from the reduce-scatter to end - 1), at least right after it.
-        end = pos[rs] + 1
+        # The wait goes before nodes[end]: at least before the next reduce-scatter is issued, so
+        # the next unit's backward compute overlaps this reduction whatever the budget (a unit
+        # larger than the budget would otherwise wait right away, its reduction exposed); then
+        # as late as the budget allows (the flat gradient is alive after each node from the
+        # reduce-scatter to end - 1).
+        later = [pos[n] for n in scatters if n in pos and pos[n] > pos[rs]]
+        end = min(later) if later else pos[rs] + 1
         while end < len(nodes) and max(live[pos[rs] : end + 1]) + nbytes <= budget:
             end += 1
         anchor = nodes[end] if end < len(nodes) else out

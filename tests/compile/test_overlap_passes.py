@@ -82,11 +82,32 @@ def test_prefetch_sinks_reduce_scatter_waits_within_the_budget():
         assert computes_between, f"wait of {rs.unit} follows its reduce-scatter directly"
     assert any(position[waits[rs.name].name] > position[nxt.name] for rs, nxt in zip(scatters, scatters[1:]))
     # The budget bounds gathered buffers and flat gradients being reduced together, for a tight
-    # budget (the default), a roomy one, and one that barely holds two units.
+    # budget (the default) and a roomy one; one that barely holds two units is passed by at most
+    # the one flat gradient each reduction keeps until the next is issued (its overlap).
     largest = max(u.padded_numel * u.itemsize for u in base.units)
-    for schedule in (_compile(fxzero.Config(stage=3)).schedule, roomy,
-                     _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=2 * largest))).schedule):
+    for schedule in (_compile(fxzero.Config(stage=3)).schedule, roomy):
         assert _live_with_reductions(schedule) <= schedule.prefetch_budget_bytes
+    tight = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=2 * largest))).schedule
+    assert _live_with_reductions(tight) <= tight.prefetch_budget_bytes + largest
+
+
+@pytest.mark.parametrize("budget", [1, "two units"])
+def test_each_reduction_overlaps_backward_compute_whatever_the_budget(budget):
+    """Issue 26's defect: units larger than the budget had each reduce-scatter waited for right
+    after it was issued, its reduction exposed. Now every one but the last has backward compute
+    between it and its wait, as the pass's docstring promises."""
+    base = _compile(fxzero.Config(stage=3, prefetch=None)).schedule
+    largest = max(u.padded_numel * u.itemsize for u in base.units)
+    bytes_ = 1 if budget == 1 else 2 * largest
+    schedule = _compile(fxzero.Config(stage=3, prefetch=fxzero.Prefetch(max_live_bytes=bytes_))).schedule
+    backward = schedule.program("backward").instructions + schedule.program("step").instructions
+    position = {i.name: n for n, i in enumerate(backward)}
+    waits = {i.reads[0]: i for i in backward if i.kind == "wait"}
+    scatters = [i for i in backward if i.kind == "reduce_scatter"]
+    assert len(scatters) > 2
+    for rs in scatters[:-1]:
+        between = backward[position[rs.name] + 1 : position[waits[rs.name].name]]
+        assert any(i.kind == "compute" for i in between), f"the reduction of {rs.unit} is waited for at once"
 
 
 def test_persistence_removes_those_units_gathers():
