@@ -1,0 +1,36 @@
+"""`fxzero wall [-o wall.html] [--open]`: the Memory Wall page, one offline HTML file."""
+
+from __future__ import annotations
+
+import os
+import webbrowser
+
+import click
+
+from fxzero.cli.common import reports_errors
+
+__all__ = ["wall_command"]
+
+
+@click.command("wall")
+@click.option("-o", "--output", "output", default="wall.html", show_default=True, type=click.Path(dir_okay=False),
+              help="Where to write the page.")
+@click.option("--open", "open_page", is_flag=True, help="Open the page in the default browser once written.")
+def wall_command(output: str, open_page: bool) -> None:
+    """The Memory Wall: per-GPU model states of DDP and ZeRO-1/2/3 against the GPU's memory.
+
+    One self-contained HTML file (no network request; works from file://) with controls for
+    parameters, GPUs, GPU memory, precision, optimizer and offload, a chart, the figures, a
+    fits / does-not-fit verdict per stage and the formula behind each figure, computed from
+    the same rules as `fxzero estimate --params`. The view's state is the address's fragment
+    (wall.html#params=7.5e9&gpus=64), so a view can be shared. Activations are not included yet.
+    """
+    from fxzero.viz.wall import render_wall
+
+    with reports_errors(f"writing {output}"):
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(render_wall())
+    path = os.path.abspath(output)
+    click.echo(f"wrote {output} ({os.path.getsize(path):,} bytes); open file://{path}")
+    if open_page and not webbrowser.open(f"file://{path}"):
+        raise click.ClickException(f"no browser could be started here; open file://{path} yourself")
