@@ -5,6 +5,8 @@
 #
 # docs/graph-gpt-tiny.svg  `fxzero graph --collapse` of a 2-block GPT, ZeRO-3 on 2 ranks
 # docs/memory-gpt-tiny.png `fxzero schedule --plot` of the same program
+# docs/wall.png            `fxzero wall` at #params=7.5e9&gpus=64 (the ZeRO paper's Table 1), as
+#                          Debian's chromium shows it (playwright; scripts/setup.sh installs both)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,4 +17,15 @@ trap 'rm -rf "$work"' EXIT
 "$FXZERO" compile 'gpt-tiny(n_blocks=2)' --world 2 -o "$work/tiny" >/dev/null
 "$FXZERO" graph "$work/tiny" --collapse -o docs/graph-gpt-tiny.svg
 "$FXZERO" schedule "$work/tiny" --plot docs/memory-gpt-tiny.png >/dev/null
-echo "wrote docs/graph-gpt-tiny.svg docs/memory-gpt-tiny.png"
+"$FXZERO" wall -o "$work/wall.html" >/dev/null
+"$ROOT/.venv/bin/python" - "$work/wall.html" <<'EOF'
+import pathlib, shutil, sys
+from playwright.sync_api import sync_playwright
+with sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+    tab = browser.new_page(viewport={"width": 1100, "height": 800})
+    tab.goto(pathlib.Path(sys.argv[1]).as_uri() + "#params=7.5e9&gpus=64")
+    tab.screenshot(path="docs/wall.png", full_page=True)
+    browser.close()
+EOF
+echo "wrote docs/graph-gpt-tiny.svg docs/memory-gpt-tiny.png docs/wall.png"

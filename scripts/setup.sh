@@ -54,6 +54,26 @@ else
     rm -f "$apt_log"
 fi
 
+# 1b. chromium: tests/cli/test_wall.py opens `fxzero wall`'s page in Debian's chromium, driven by
+# playwright (requirements.txt) with executable_path: no browser is downloaded. Without it those
+# tests skip and say why; the page's arithmetic is still checked under node.
+if command -v chromium >/dev/null 2>&1; then
+    say "chromium: found $(command -v chromium)"
+elif [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    say "chromium: missing and not installable here (needs root and apt-get); the browser tests will skip"
+else
+    say "chromium: installing with apt-get"
+    apt_log="$(mktemp)"
+    if { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+        >"$apt_log" 2>&1; then
+        say "chromium: installed $(command -v chromium)"
+    else
+        cat "$apt_log" >&2
+        say "WARNING: 'apt-get install chromium' failed (output above); the browser tests will skip." >&2
+    fi
+    rm -f "$apt_log"
+fi
+
 # 2. The virtual environment.
 if [ -x "$VENV/bin/python" ]; then
     say "venv: using $VENV"

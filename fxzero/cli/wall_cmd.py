@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import webbrowser
 
 import click
@@ -30,7 +31,7 @@ def wall_command(output: str, open_page: bool) -> None:
     with reports_errors(f"writing {output}"):
         with open(output, "w", encoding="utf-8") as f:
             f.write(render_wall())
-    path = os.path.abspath(output)
-    click.echo(f"wrote {output} ({os.path.getsize(path):,} bytes); open file://{path}")
-    if open_page and not webbrowser.open(f"file://{path}"):
-        raise click.ClickException(f"no browser could be started here; open file://{path} yourself")
+    url = pathlib.Path(output).resolve().as_uri()
+    click.echo(f"wrote {output} ({os.path.getsize(output):,} bytes); open {url}")
+    if open_page and not webbrowser.open(url):
+        raise click.ClickException(f"no browser could be started here; open {url} yourself")

@@ -132,6 +132,17 @@ def test_command_reports_an_unwritable_output(tmp_path):
     assert result.output.startswith("Error: ") and "missing" in result.output
 
 
+def test_open_hands_the_file_to_the_browser(tmp_path, monkeypatch):
+    opened = []
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
+    result = CliRunner().invoke(main, ["wall", "-o", str(tmp_path / "w.html"), "--open"])
+    assert result.exit_code == 0, result.output
+    assert opened == [(tmp_path / "w.html").as_uri()]
+    monkeypatch.setattr("webbrowser.open", lambda url: False)
+    result = CliRunner().invoke(main, ["wall", "-o", str(tmp_path / "w.html"), "--open"])
+    assert result.exit_code == 1 and "no browser could be started here; open file://" in result.output
+
+
 # -- the page's script under node ---------------------------------------------------------------
 
 NODE_HARNESS = r"""
@@ -147,6 +158,7 @@ const out = {
   figures: ask.states.map(s => W.figures(data, s)),
   table1: W.figures(data, W.parseFragment(data, "#params=7.5e9&gpus=64").state).map(r => W.gb(data, r.tiers.device)),
   formulas: data.stages.map(st => W.closedForm(data, W.parseFragment(data, "").state, st)),
+  offloaded: data.stages.map(st => W.formula(data, W.parseFragment(data, "#offload=cpu").state, st)),
   fragments: ask.states.map(s => { const f = W.formatFragment(s); return [f, W.parseFragment(data, f)]; }),
   bad: ask.bad.map(h => W.parseFragment(data, h)),
 };
@@ -179,6 +191,13 @@ def test_node_page_numbers_equal_python_s_over_a_grid(node_run):
 def test_node_table1_and_formulas(node_run):
     assert node_run["table1"] == ["120", "31.4", "16.6", "1.88"]  # ZeRO paper, Table 1 (7.5B, N = 64)
     assert node_run["formulas"] == ["16\u03a6", "4\u03a6 + 12\u03a6/N", "2\u03a6 + 14\u03a6/N", "16\u03a6/N"]
+    phi = "\u03a6"
+    assert node_run["offloaded"] == [
+        f"DDP: params 2{phi} + grads 2{phi} + optimizer 12{phi} = 16{phi} (offload has no effect here: without ZeRO "
+        "every GPU keeps all of its states)",
+        f"ZeRO-1: params 2{phi} + grads 2{phi} + optimizer 12{phi}/N [cpu] = 4{phi} + 12{phi}/N",
+        f"ZeRO-2: params 2{phi} + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 2{phi} + 14{phi}/N",
+        f"ZeRO-3: params 2{phi}/N [cpu] + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 16{phi}/N"]
 
 
 def test_node_fragment_round_trips(node_run):
