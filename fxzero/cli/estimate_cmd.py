@@ -73,19 +73,34 @@ def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
 @click.option("--accumulation", type=click.IntRange(min=1), default=1, show_default=True, metavar="K",
               help="With MODEL: also show gradient accumulation over K micro-steps under both policies "
                    "(Config.gradient_accumulation): gradient bytes held and reduce-scatter bytes per optimizer step.")
+@click.option("--activations", "activations", type=click.Choice(["none", "unit", "all"]), default=None,
+              help="With MODEL: also the activation bytes per rank the forward keeps for the backward under "
+                   "Activations(recompute=...) (all: both), counted from the compiled program, and Megatron's "
+                   "formula beside them for a transformer. Implied by --seq or --micro-batch.")
+@click.option("--seq", type=click.IntRange(min=1), default=None, metavar="S",
+              help="Sequence length of the activation estimate (dimension 1 of the token inputs; default: the "
+                   "model's example inputs').")
+@click.option("--micro-batch", "micro_batch", type=click.IntRange(min=1), default=None, metavar="B",
+              help="Micro-batch per rank of the activation estimate (default: the model's example inputs').")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON (bytes).")
-def estimate_command(model: Optional[str], params_text, model_config, world, nodes, offload, accumulation, as_json):
+def estimate_command(model: Optional[str], params_text, model_config, world, nodes, offload, accumulation,
+                     activations, seq, micro_batch, as_json):
     """Per-rank memory of model states (params + grads + Adam) for each ZeRO stage.
 
     With MODEL the figures come from the same unit layouts the runtime allocates (padding
     included); with --params N from the paper's arithmetic: 16 Phi without ZeRO, then
-    4 Phi + 12 Phi/N, 2 Phi + 14 Phi/N and 16 Phi/N in mixed precision. Activations and
-    temporary buffers are not included.
+    4 Phi + 12 Phi/N, 2 Phi + 14 Phi/N and 16 Phi/N in mixed precision. Temporary buffers are
+    not included; activations are with --activations (MODEL only), per policy, at --seq and
+    --micro-batch: what the compiled forward keeps for the backward, as memory_report() counts it.
     """
     if (model is None) == (params_text is None):
         raise CLIError("give either MODEL or --params N (e.g. `fxzero estimate --params 7B --world 64`)")
     if model_config is not None and model is None:
         raise CLIError("--model-config describes a MODEL (transformers:ClassName); --params N needs none")
+    if activations is None and (seq is not None or micro_batch is not None):
+        activations = "all"
+    if activations is not None and model is None:
+        raise CLIError("--activations, --seq and --micro-batch need a MODEL (its program says what the forward keeps)")
     if world % nodes:
         raise CLIError(f"--world {world} ranks cannot be split evenly over --nodes {nodes}")
     layouts = None
@@ -120,6 +135,10 @@ def estimate_command(model: Optional[str], params_text, model_config, world, nod
         result["largest_unit"] = {"name": largest.name, "numel": largest.padded_numel,
                                   "fp32_bytes": largest.padded_numel * largest.itemsize,
                                   "mixed_bytes": largest.padded_numel * 2}
+    if activations is not None:
+        from fxzero.cli.estimate_activations import activations_result
+
+        result["activations"] = activations_result(model, model_config, world, activations, seq, micro_batch)
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
@@ -166,4 +185,10 @@ def _print(result: dict, layouts) -> None:
                        f"reduce-scatters {human_bytes(sharded['reduce_scatter_bytes'])}; \"local\" holds "
                        f"{human_bytes(local['grads_held'])} and reduce-scatters "
                        f"{human_bytes(local['reduce_scatter_bytes'])}")
-    click.echo("not included: activations, temporary buffers, framework overhead")
+    if "activations" in result:
+        from fxzero.cli.estimate_activations import print_activations
+
+        print_activations(result["activations"])
+        click.echo("not included: temporary buffers, framework overhead")
+    else:
+        click.echo("not included: activations (--activations), temporary buffers, framework overhead")

@@ -141,3 +141,49 @@ def test_accumulation_shows_both_policies(runner):
     text = invoke(runner, "estimate", "gpt-tiny", "--world", "2", "--accumulation", "4").output
     assert 'ZeRO-3: "sharded" holds' in text and '"local" holds' in text
     assert "needs a MODEL" in invoke(runner, "estimate", "--params", "1B", "--accumulation", "4", ok=False).output
+
+
+def test_activations_per_policy_from_the_program_and_megatron(runner):
+    """`--seq 8 --micro-batch 3` on gpt-tiny (4 blocks, d 32, 2 heads, fp32): with recompute each
+    block keeps its input (3 x 8 x 32 fp32), and the JSON carries Megatron's formula beside it."""
+    from fxzero.activation_estimate import estimate_activations
+
+    got = _json(runner, "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3")["activations"]
+    assert (got["seq"], got["micro_batch"]) == (8, 3)
+    per = got["per_policy"]
+    assert set(per) == {"none", "unit"}
+    assert per["unit"]["by_kind"]["input"] == 4 * 3 * 8 * 32 * 4
+    assert per["none"]["by_kind"]["input"] == 0 and per["none"]["total"] == per["none"]["by_kind"]["resident"]
+    assert 0 < per["unit"]["total"] < per["none"]["total"]
+    # the library's figure for the same call (int64 ids of shape (3, 8), 2 ranks)
+    model = build_model("gpt-tiny")
+    direct = estimate_activations(model, (torch.zeros(3, 8, dtype=torch.int64),), __import__("fxzero").Config(
+        cost_model=None), world_size=2)
+    assert {p: c.total for p, c in direct.items()} == {p: c["total"] for p, c in per.items()}
+    m = got["megatron"]
+    assert (m["hidden"], m["heads"], m["layers"]) == (32, 2, 4)
+    sbh, as2b = 8 * 3 * 32, 2 * 8 * 8 * 3
+    assert m["published_per_layer"] == {"none": 34 * sbh + 5 * as2b, "none_fused_attention": 34 * sbh,
+                                        "unit": 2 * sbh}
+    assert m["this_model"]["per_layer"] == {"none": 64 * sbh, "unit": 4 * sbh}  # fp32, no dropout, fused
+    only_unit = _json(runner, "gpt-tiny", "--world", "2", "--seq", "8", "--activations", "unit")["activations"]
+    assert set(only_unit["per_policy"]) == {"unit"} and only_unit["micro_batch"] == 2  # the example's batch
+
+
+def test_activations_text(runner):
+    out = invoke(runner, "estimate", "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3").output
+    assert 'recompute="none"' in out and 'recompute="unit"' in out and "unit inputs 12 KiB (4 units)" in out
+    assert "Megatron's formula" in out and "34sbh + 5as^2b" in out
+    assert "not included: temporary buffers" in out
+    plain = invoke(runner, "estimate", "gpt-tiny", "--world", "2").output
+    assert "not included: activations (--activations)" in plain and "Megatron" not in plain
+
+
+@pytest.mark.parametrize("args, message", [
+    (("gpt-tiny", "--seq", "1024"), "covers sequences up to 16 (seq_len); build it longer: 'gpt-tiny(seq_len=1024)'"),
+    (("--params", "1B", "--activations", "unit"), "need a MODEL"),
+    (("cnn", "--seq", "8"), "leave --seq out"),
+])
+def test_activations_errors(runner, args, message):
+    result = invoke(runner, "estimate", *args, ok=False)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
