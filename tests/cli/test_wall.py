@@ -158,7 +158,10 @@ const out = {
   figures: ask.states.map(s => W.figures(data, s)),
   table1: W.figures(data, W.parseFragment(data, "#params=7.5e9&gpus=64").state).map(r => W.gb(data, r.tiers.device)),
   formulas: data.stages.map(st => W.closedForm(data, W.parseFragment(data, "").state, st)),
-  offloaded: data.stages.map(st => W.formula(data, W.parseFragment(data, "#offload=cpu").state, st)),
+  offloaded: data.stages.map(st => [W.formula(data, W.parseFragment(data, "#offload=cpu").state, st),
+                                     W.offloadNote(data, W.parseFragment(data, "#offload=cpu").state, st),
+                                     W.offloadNote(data, W.parseFragment(data, "").state, st)]),
+  counts: [1e9, 7.5e9, 8030261248, 405853388800, 1e12].map(W.count),
   fragments: ask.states.map(s => { const f = W.formatFragment(s); return [f, W.parseFragment(data, f)]; }),
   bad: ask.bad.map(h => W.parseFragment(data, h)),
 };
@@ -193,11 +196,12 @@ def test_node_table1_and_formulas(node_run):
     assert node_run["formulas"] == ["16\u03a6", "4\u03a6 + 12\u03a6/N", "2\u03a6 + 14\u03a6/N", "16\u03a6/N"]
     phi = "\u03a6"
     assert node_run["offloaded"] == [
-        f"DDP: params 2{phi} + grads 2{phi} + optimizer 12{phi} = 16{phi} (offload has no effect here: without ZeRO "
-        "every GPU keeps all of its states)",
-        f"ZeRO-1: params 2{phi} + grads 2{phi} + optimizer 12{phi}/N [cpu] = 4{phi} + 12{phi}/N",
-        f"ZeRO-2: params 2{phi} + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 2{phi} + 14{phi}/N",
-        f"ZeRO-3: params 2{phi}/N [cpu] + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 16{phi}/N"]
+        [f"DDP: params 2{phi} + grads 2{phi} + optimizer 12{phi} = 16{phi}",
+         "offload has no effect here: without ZeRO every GPU keeps all of its states", ""],
+        [f"ZeRO-1: params 2{phi} + grads 2{phi} + optimizer 12{phi}/N [cpu] = 4{phi} + 12{phi}/N", "", ""],
+        [f"ZeRO-2: params 2{phi} + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 2{phi} + 14{phi}/N", "", ""],
+        [f"ZeRO-3: params 2{phi}/N [cpu] + grads 2{phi}/N [cpu] + optimizer 12{phi}/N [cpu] = 16{phi}/N", "", ""]]
+    assert node_run["counts"] == ["1.00B", "7.50B", "8.03B", "406B", "1.00T"]
 
 
 def test_node_fragment_round_trips(node_run):
@@ -290,3 +294,22 @@ def test_browser_fragment_restores_the_view(browser, page):
     assert "gpus=two is not a whole number" in tab.text_content("#problems")
     assert 'unknown key "colour"' in tab.text_content("#problems")
     assert errors == []
+
+
+def test_browser_preset_slider_and_pasted_fragment(browser, page):
+    tab, requests, errors = _open(browser, page, "#gpus=8")
+    tab.select_option("#preset", "llama3-70b")
+    assert float(tab.input_value("#params")) == 70_553_706_496
+    assert tab.evaluate("location.hash").startswith("#params=7.0553706496e10&gpus=8&")
+    assert tab.text_content("#params-text") == "70.6B parameters"
+    # 70.55B x 16 / 8 GPUs = 141.1 GB at ZeRO-3: over the H100, under the B200.
+    assert _device_column(tab)[3] == "141" and tab.text_content("#figures tr[data-stage='3'] td.nofit") == "does not fit"
+    tab.select_option("#gpu", "b200-192")
+    assert tab.text_content("#figures tr[data-stage='3'] td.fits") == "fits"
+    tab.fill("#params-range", "11")  # log10 of the parameters
+    tab.dispatch_event("#params-range", "input")
+    assert float(tab.input_value("#params")) == 1e11 and _device_column(tab)[0] == "1,600"
+    tab.evaluate("location.hash = '#params=2e9&gpus=2&precision=fp32'")  # a link pasted into the address bar
+    tab.wait_for_function("document.querySelector('#gpus').value === '2'")
+    assert _device_column(tab) == ["32.0", "24.0", "20.0", "16.0"]  # fp32: 16, 8 + 8/N, 4 + 12/N, 16/N bytes x 2e9
+    assert errors == [] and len(requests) == 1
