@@ -22,6 +22,9 @@ _POSITIONS = ("seq_len", "max_position_embeddings", "n_positions")
 """Config fields that bound a model's sequence (zoo, Hugging Face), in the order asked."""
 
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _position_limit(model: nn.Module) -> Optional[tuple[str, int]]:
     config = getattr(model, "config", None)
     for field in _POSITIONS:
@@ -71,7 +74,7 @@ def _megatron(model: nn.Module, seq: int, batch: int, fused: bool) -> Optional[d
         return None
     h, a, layers = shape["hidden"], shape["heads"], shape["layers"]
     dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
-    dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    dropout = any(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules())
     published = {"none": act.megatron_per_layer(seq, batch, h, a),
                  "none_fused_attention": act.megatron_per_layer(seq, batch, h, a, fused_attention=True),
                  "unit": act.megatron_per_layer(seq, batch, h, a, recompute="unit")}
