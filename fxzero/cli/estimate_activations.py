@@ -4,6 +4,7 @@ per rank per `Activations` policy, from the compiled program and from Megatron's
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional
 
 import click
@@ -59,8 +60,12 @@ def _shaped_call(model: nn.Module, spec: str, seq: Optional[int], batch: Optiona
         limit = _position_limit(model)
         if limit is not None and seq > limit[1]:
             field, value = limit
-            fix = (f"'{spec.split('(')[0]}({field}={seq})'" if field == "seq_len" and not spec.startswith("transformers:")
-                   else f"--model-config '{{\"{field}\": {seq}}}'")
+            if field == "seq_len" and not spec.startswith("transformers:"):  # (a zoo model's argument)
+                longer = (re.sub(rf"{field}\s*=\s*\d+", f"{field}={seq}", spec) if field in spec
+                          else f"{spec[:-1]}, {field}={seq})" if spec.endswith(")") else f"{spec}({field}={seq})")
+                fix = f"'{longer}'"
+            else:
+                fix = f"--model-config '{{\"{field}\": {seq}}}'"
             raise CLIError(f"--seq {seq}: {spec} covers sequences up to {value} ({field}); build it longer: {fix}")
     new = CallSpec(tuple(shaped(s) for s in call.spec.args),
                    tuple((k, shaped(v) if isinstance(v, InputSpec) else v) for k, v in call.spec.kwargs))
@@ -135,9 +140,10 @@ def print_activations(result: dict) -> None:
         pub, here = m["published_per_layer"], m["this_model"]
         click.echo(f"Megatron's formula (Korthikanti et al. 2022) per layer, h={m['hidden']} a={m['heads']}, "
                    f"x {m['layers']} layers; {m['assumptions']}:")
-        click.echo(f"  as published, 34sbh + 5as^2b: {human_bytes(pub['none'])} ({human_bytes(pub['none_fused_attention'])}"
-                   f" with fused attention, 34sbh); full recompute, 2sbh: {human_bytes(pub['unit'])}")
-        notes = f"{here['itemsize']}-byte values, {'with' if here['dropout'] else 'no'} dropout, " \
+        click.echo(f"  as published, 34sbh + 5as^2b: {human_bytes(pub['none'])} "
+                   f"({human_bytes(pub['none_fused_attention'])} with fused attention, 34sbh); "
+                   f"full recompute, 2sbh: {human_bytes(pub['unit'])}")
+        notes = f"{here['itemsize']}-byte values, {'with dropout (1-byte masks)' if here['dropout'] else 'no dropout'}, " \
                 f"{'fused' if here['fused_attention'] else 'unfused'} attention"
         click.echo(f"  at this model ({notes}): none {human_bytes(here['per_layer']['none'])} per layer, "
                    f"{human_bytes(here['layers_total']['none'])} for the layers; unit "

@@ -100,3 +100,29 @@ def test_megatron_formula_as_published():
     assert megatron_per_layer(s, b, h, a) == 34 * s * b * h + 5 * a * s * s * b
     assert megatron_per_layer(s, b, h, a, fused_attention=True) == 34 * s * b * h
     assert megatron_per_layer(s, b, h, a, recompute="unit") == 2 * s * b * h
+
+
+def test_a_model_with_dropout_keeps_its_masks_and_the_runtime_agrees():
+    """Hugging Face GPT-2 with its dropouts (0.1), called by keyword with labels (the loss in the
+    program): under "unit" each block keeps, beside its input, what its three dropouts drew:
+    bernoulli masks in fp32 (4 bytes an element, where Megatron's formula counts 1), over the
+    attention scores (B, heads, T, T) and over the two residual branches (B, T, h), counted
+    "random"; both policies equal the runtime."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    ids = torch.randint(0, 256, (B, 32), generator=torch.Generator().manual_seed(0))
+    call = {"input_ids": ids, "labels": ids, "use_cache": False}
+    for policy in ("none", "unit"):
+        with torch.device("meta"):
+            model = transformers.GPT2LMHeadModel(cfg)
+        est = estimate_activations(model, (), _config(policy), world_size=1, kwargs=call, policies=(policy,))[policy]
+        torch.manual_seed(0)
+        engine = fxzero.compile(transformers.GPT2LMHeadModel(cfg), _config(policy))
+        out = engine(**call)
+        assert engine.memory_report()["activations"] == est.total, (policy, est.to_json())
+        engine.backward(out.loss)
+        if policy == "unit":
+            for block in ("transformer.h.0", "transformer.h.1"):
+                masks = sorted(s.nbytes for s in est.storages if s.unit == block and s.kind == "random")
+                assert masks == sorted([B * 4 * 32 * 32 * 4, B * 32 * 64 * 4, B * 32 * 64 * 4])
+            assert est.by_kind()["input"] == 2 * B * 32 * 64 * 4
