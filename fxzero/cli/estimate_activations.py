@@ -132,6 +132,12 @@ def print_activations(result: dict) -> None:
         if kinds["inside"]:
             parts.insert(1, f"other kept inside units {human_bytes(kinds['inside'])}")
         click.echo(f"  recompute=\"{policy}\": {human_bytes(c['total'])}: " + ", ".join(parts))
+        groups: dict[tuple, list[str]] = {}  # (units keeping the same bytes, on one line)
+        for unit in units:
+            groups.setdefault(tuple(sorted(c["by_unit"][unit].items())), []).append(unit)
+        for row, names in groups.items():
+            which = names[0] if len(names) == 1 else f"{len(names)} units, {names[0]} .. {names[-1]}, each"
+            click.echo(f"    {which}: " + ", ".join(f"{kind} {human_bytes(n)}" for kind, n in row))
     kept = next(iter(result["per_policy"].values()))["kept_gathered_bytes"]
     if kept:
         click.echo(f"  (apart: {human_bytes(kept)} of gathered parameters the prefetch keeps for the backward)")

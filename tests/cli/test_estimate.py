@@ -173,6 +173,8 @@ def test_activations_per_policy_from_the_program_and_megatron(runner):
 def test_activations_text(runner):
     out = invoke(runner, "estimate", "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3").output
     assert 'recompute="none"' in out and 'recompute="unit"' in out and "unit inputs 12 KiB (4 units)" in out
+    # per block: its input (3 x 8 x 32 fp32) and attention's output and log-sum-exp (+ 3 x 2 x 8 fp32)
+    assert "4 units, blocks.0 .. blocks.3, each: input 3 KiB, random 3.19 KiB" in out
     assert "Megatron's formula" in out and "34sbh + 5as^2b" in out
     assert "not included: temporary buffers" in out
     plain = invoke(runner, "estimate", "gpt-tiny", "--world", "2").output
