@@ -10,7 +10,9 @@ runtime counts them (`memory_report()["activations"]`, `storage_bytes`): by stor
 counts its base's bytes once, however many views of it are saved, and even when the base itself
 is not saved (a view of a bigger buffer keeps the whole buffer alive). A node is a view when its
 operator aliases its input (`OpOverload.is_view`, and `getitem` of a view's result); its base is
-followed to the first node that is not one.
+followed to the first node that is not one. The one storage the program cannot size is the
+caller's: a model input that is a view of a bigger tensor (ids[:, :-1]) keeps that tensor, which
+the runtime counts whole and this count as the input's shape.
 
 Each storage is said for what it is, from the recompute regions ([Note: recompute regions] in
 `fxzero/trace.py`):
