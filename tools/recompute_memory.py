@@ -6,7 +6,8 @@
 One invocation runs the two policies alternately (resident, unit, resident, unit, ...), each in
 fresh rank processes (torchrun, gloo, one thread per rank), the same model, data and steps. Each
 run prints, per rank: the median step time of the timed steps, peak RSS (VmHWM), the activation
-bytes the forward keeps for the backward (the compiled program's saved tensors, from their shapes;
+bytes the forward keeps for the backward (the compiled program's saved tensors by storage, as
+`memory_report()["activations"]` counts them: `fxzero.activation_estimate.count_saved`;
 `kept_gathered_bytes` apart: gathered parameters the prefetch keeps for the backward) and the
 losses; the last line compares the policies (unit / resident) by medians over rounds. Losses must
 be equal bit for bit (recompute changes where values are computed, not their arithmetic).
@@ -31,6 +32,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import fxzero
+    from fxzero.activation_estimate import count_saved
     from fxzero.zoo import gpt
 
     torch.set_num_threads(1)
@@ -52,14 +54,10 @@ def rank_main(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    forward = engine._stepping.compiled.programs["forward"].gm.graph
-    kept = next(n for n in forward.nodes if n.op == "output").args[0]
-    kept = [n for n in kept if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
-    # (gathered parameters the prefetch keeps for the backward are not activations: apart)
-    gathered = [n for n in kept if n.meta.get("fxzero", {}).get("kept")]
-    activations = [n for n in kept if not n.meta.get("fxzero", {}).get("kept")]
-    kept_bytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in activations)
-    kept_gathered = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in gathered)
+    # What the forward keeps for the backward, by storage, as memory_report() counts it: past the
+    # model's outputs, gathered parameters the prefetch keeps apart (fxzero/activation_estimate.py)
+    counted = count_saved(engine._stepping.compiled, args.policy)
+    kept_bytes, kept_gathered = counted.total, counted.kept_gathered_bytes
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     line = {"event": "rank", "policy": args.policy, "rank": rank, "median_step_s": statistics.median(times),
