@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from fxzero._compat import pytree
 
@@ -85,9 +85,27 @@ def _at_sizes(val: Any) -> Any:
     return val
 
 
+def _cpu_attention(query, key, value, *args, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_MORE_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+"""Attention on CPU tensors, which torch's registry lacks (its CUDA kernels it has): torch's own
+SDPA formulas, so a CPU program's attention is priced as the same shapes' GPU one (issue 26: it
+was priced at 0 FLOPs, and long sequences were predicted far too fast)."""
+
+
 def flops(node: fx.Node) -> int:
     """FLOPs of an ATen node by torch's own formulas (matmuls, convolutions, attention)."""
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) or _MORE_FLOPS.get(packet)
     if formula is None:
         return 0
 

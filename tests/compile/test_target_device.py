@@ -161,3 +161,20 @@ def test_a_cpu_only_kernel_in_a_gpu_program_is_an_error_naming_it():
 def test_only_cpu_and_cuda_programs():
     with pytest.raises(ValueError, match="'cpu', 'cuda' or 'meta', not 'mps'"):
         _compile("gpt-tiny", None, "mps")
+
+
+def test_attention_is_priced_alike_on_the_cpu_and_the_gpu():
+    """Issue 26: the CPU program's attention had no FLOP formula and was priced at 0. Now its
+    forward is 4 b h s^2 d (two matmuls of s x s x d per head), as torch prices the CUDA kernels,
+    and its backward what torch's formula gives the same shapes on a GPU."""
+    def attention(device):
+        compiled = _compile("gpt-tiny", None, device)
+        return [(p.name, i.flops) for p in compiled.schedule.programs for i in p.instructions
+                if "scaled_dot_product" in i.name and "getitem" not in i.name]
+
+    cpu, cuda = attention("cpu"), attention("cuda")
+    cfg = build("gpt-tiny").config
+    batch, seq = build("gpt-tiny").example_inputs()[0].shape
+    forward = 4 * batch * cfg.n_heads * seq * seq * (cfg.d_model // cfg.n_heads)
+    assert [f for name, f in cpu if name == "forward"] == [forward] * cfg.n_blocks
+    assert [f for _, f in cpu] == [f for _, f in cuda] and all(f > 0 for _, f in cpu)
