@@ -68,8 +68,10 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
 
     Args:
         dist_backend: "gloo" or "nccl"; None: nccl with CUDA, else gloo.
-        timeout, init_method, rank, world_size: as `torch.distributed.init_process_group`
-            (rank and world_size default to the launcher's RANK and WORLD_SIZE).
+        timeout: as `torch.distributed.init_process_group`'s.
+        init_method: as `torch.distributed.init_process_group`'s.
+        rank: as `torch.distributed.init_process_group`'s; default: the launcher's RANK.
+        world_size: as `torch.distributed.init_process_group`'s; default: the launcher's WORLD_SIZE.
         ignored: DeepSpeed's MPI-discovery options (auto_mpi_discovery, distributed_port,
             verbose, dist_init_required, config), which torchrun makes moot.
     """

@@ -91,7 +91,7 @@ fi
 want="$( { cat requirements.txt pyproject.toml; find fxzero -name __init__.py | LC_ALL=C sort; } \
     | sha256sum | cut -d' ' -f1) $ROOT"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && "$VENV/bin/python" -c 'import importlib.metadata as md, torch, numpy, networkx, graphviz, click, pytest, pytest_timeout
+    && "$VENV/bin/python" -c 'import importlib.metadata as md, torch, numpy, networkx, graphviz, click, pytest, pytest_timeout, mkdocs
 md.version("fxzero")' >/dev/null 2>&1; then
     say "packages: up to date"
 else
