@@ -212,9 +212,11 @@ def megatron_per_layer(seq: int, batch: int, hidden: int, heads: int, *, itemsiz
     attention scores: softmax output, dropout output and its mask (`itemsize`, `itemsize` and 1
     bytes per a*s^2*b), gone with fused attention (which recomputes them). At `itemsize` 2 with
     dropout: 34 s*b*h + 5 a*s^2*b. With full recompute, each layer keeps only its input: s*b*h
-    values (2 s*b*h bytes in 16 bits).
+    values (2 s*b*h bytes in 16 bits). Selective recompute (the paper's) recomputes the attention
+    scores and keeps the rest: the fused-attention figure, 34 s*b*h.
     """
     sbh = seq * batch * hidden
+    fused_attention = fused_attention or recompute == "selective"
     if recompute == "unit":
         return itemsize * sbh
     per = 16 * itemsize * sbh + (2 * sbh if dropout else 0)

@@ -54,8 +54,9 @@ def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=N
 
 def recompute_scopes(model: nn.Module, config: Config, forward_only: bool = False) -> tuple[str, ...]:
     """The unit modules whose forward the backward recomputes ([Note: recomputing a unit]):
-    every module the units policy makes a unit, under `Activations(recompute="unit")`."""
-    if config.activations.recompute != "unit" or forward_only:
+    every module the units policy makes a unit, under `Activations(recompute="unit")` and
+    `"selective"` ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`)."""
+    if config.activations.recompute == "none" or forward_only:
         return ()
     modules = dict(model.named_modules())
     return tuple(lay.name for lay in plan_units(model, config.units, 1) if lay.name in modules and lay.name)

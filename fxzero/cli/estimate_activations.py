@@ -1,4 +1,4 @@
-"""`fxzero estimate MODEL --activations none|unit|all --seq S --micro-batch B`: activation bytes
+"""`fxzero estimate MODEL --activations none|unit|selective|all --seq S --micro-batch B`: activation bytes
 per rank per `Activations` policy, from the compiled program and from Megatron's formula."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fxzero.viz.fmt import human_bytes
 
 __all__ = ["activations_result", "print_activations"]
 
-POLICIES = {"none": ("none",), "unit": ("unit",), "all": ("none", "unit")}
+POLICIES = {"none": ("none",), "unit": ("unit",), "selective": ("selective",), "all": ("none", "unit", "selective")}
 
 _POSITIONS = ("seq_len", "max_position_embeddings", "n_positions")
 """Config fields that bound a model's sequence (zoo, Hugging Face), in the order asked."""
@@ -82,12 +82,14 @@ def _megatron(model: nn.Module, seq: int, batch: int, fused: bool) -> Optional[d
     dropout = any(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules())
     published = {"none": act.megatron_per_layer(seq, batch, h, a),
                  "none_fused_attention": act.megatron_per_layer(seq, batch, h, a, fused_attention=True),
-                 "unit": act.megatron_per_layer(seq, batch, h, a, recompute="unit")}
+                 "unit": act.megatron_per_layer(seq, batch, h, a, recompute="unit"),
+                 "selective": act.megatron_per_layer(seq, batch, h, a, recompute="selective")}
     here = {p: act.megatron_per_layer(seq, batch, h, a, itemsize=dtype.itemsize, dropout=dropout,
-                                      fused_attention=fused, recompute=p) for p in ("none", "unit")}
+                                      fused_attention=fused, recompute=p) for p in ("none", "unit", "selective")}
     return {"hidden": h, "heads": a, "layers": layers, "seq": seq, "micro_batch": batch,
             "published_per_layer": published, "assumptions": "16-bit activations, 1-byte dropout masks, "
-            "MLP of 4h, no tensor or sequence parallelism; full recompute keeps each layer's input",
+            "MLP of 4h, no tensor or sequence parallelism; full recompute keeps each layer's input; "
+            "selective recompute recomputes the attention scores (34sbh)",
             "this_model": {"itemsize": dtype.itemsize, "dropout": dropout, "fused_attention": fused,
                            "per_layer": here, "layers_total": {p: v * layers for p, v in here.items()}}}
 
@@ -148,9 +150,11 @@ def print_activations(result: dict) -> None:
                    f"x {m['layers']} layers; {m['assumptions']}:")
         click.echo(f"  as published, 34sbh + 5as^2b: {human_bytes(pub['none'])} "
                    f"({human_bytes(pub['none_fused_attention'])} with fused attention, 34sbh); "
-                   f"full recompute, 2sbh: {human_bytes(pub['unit'])}")
+                   f"full recompute, 2sbh: {human_bytes(pub['unit'])}; selective, 34sbh: {human_bytes(pub['selective'])}")
         notes = f"{here['itemsize']}-byte values, {'with dropout (1-byte masks)' if here['dropout'] else 'no dropout'}, " \
                 f"{'fused' if here['fused_attention'] else 'unfused'} attention"
         click.echo(f"  at this model ({notes}): none {human_bytes(here['per_layer']['none'])} per layer, "
                    f"{human_bytes(here['layers_total']['none'])} for the layers; unit "
-                   f"{human_bytes(here['per_layer']['unit'])} per layer, {human_bytes(here['layers_total']['unit'])}")
+                   f"{human_bytes(here['per_layer']['unit'])} per layer, {human_bytes(here['layers_total']['unit'])}; "
+                   f"selective {human_bytes(here['per_layer']['selective'])} per layer, "
+                   f"{human_bytes(here['layers_total']['selective'])}")

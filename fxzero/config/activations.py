@@ -21,7 +21,7 @@ import dataclasses
 
 __all__ = ["RECOMPUTE", "Activations"]
 
-RECOMPUTE = ("none", "unit")
+RECOMPUTE = ("none", "unit", "selective")
 """Values of `Activations.recompute`."""
 
 
@@ -31,7 +31,10 @@ class Activations:
 
     recompute: str = "none"
     """"none": every activation the backward reads is kept from the forward; "unit": of each unit,
-    its inputs (and random operators' outputs) are kept and the rest recomputed in the backward."""
+    its inputs (and random operators' outputs) are kept and the rest recomputed in the backward;
+    "selective": of each unit, the outputs of matmuls and attention are kept too and the cheap
+    operators recomputed, what is kept chosen by a minimum cut over bytes ([Note: selective
+    recompute] in `fxzero/passes/recompute_cut.py`)."""
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:

@@ -36,7 +36,7 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     lookahead = config.offload.lookahead
     passes = [
         partition.make(persistent=persistent),
-        separate_phases.PASS,
+        separate_phases.make(recompute=config.activations.recompute),
         insert_gather_free.PASS,
         insert_reduce_scatter.make(keep_full=config.stage == 1, dtype=mp.grad_dtype if mp is not None else None),
         choose_collectives.make(cost_model=cost_model),

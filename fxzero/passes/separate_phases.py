@@ -26,12 +26,14 @@ Before::                                   After::
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 import torch.fx as fx
 
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
+from fxzero.passes.recompute_cut import selective_cut
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 REQUIRES = frozenset({"units_partitioned"})
@@ -135,7 +137,10 @@ def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.N
     return _param_only(node, memo) or _interior(node, interior)
 
 
-def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = "unit") -> PassResult:
+    """`recompute`: how a recompute region's interior is recomputed: "unit", all of it; "selective",
+    what a minimum cut chooses ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`).
+    A program without regions recomputes only values derived from parameters, whatever it says."""
     graph = gm.graph
     forward = _forward_set(graph, ctx)
     for node in graph.nodes:
@@ -152,6 +157,13 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     def recomputable(node: fx.Node) -> bool:
         return _can_recompute(node, memo, interior)
+
+    cut = None
+    if recompute == "selective":
+        cut = selective_cut(graph, lambda n: _interior(n, interior), lambda n: _param_only(n, memo))
+
+        def recomputable(node: fx.Node) -> bool:  # noqa: F811 (the cut's choice replaces the unit rule)
+            return node.op == "call_function" and (_param_only(node, memo) or node in cut.recomputed)
 
     def backward_copy(node: fx.Node, before: fx.Node) -> fx.Node:
         nonlocal recomputed
@@ -175,10 +187,18 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
     graph.eliminate_dead_code()
     n_fwd = sum(1 for n in graph.nodes if phase(n) == FORWARD)
-    return PassResult(
-        gm, changed=True, summary={"forward_nodes": n_fwd, "recomputed_in_backward": recomputed,
-                                   "sizes_from_forward": sizes_moved}
-    )
+    summary = {"forward_nodes": n_fwd, "recomputed_in_backward": recomputed, "sizes_from_forward": sizes_moved}
+    if cut is not None:
+        summary.update(cut.summary())
+    return PassResult(gm, changed=True, summary=summary)
 
 
 PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)
+
+
+def make(recompute: str = "none") -> Pass:
+    """The pass for an `Activations(recompute=...)` policy."""
+    if recompute != "selective":
+        return PASS
+    return Pass("separate_phases", functools.partial(separate_phases_pass, recompute=recompute),
+                requires=REQUIRES, provides=PROVIDES)

@@ -151,21 +151,21 @@ def test_activations_per_policy_from_the_program_and_megatron(runner):
     got = _json(runner, "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3")["activations"]
     assert (got["seq"], got["micro_batch"]) == (8, 3)
     per = got["per_policy"]
-    assert set(per) == {"none", "unit"}
+    assert set(per) == {"none", "unit", "selective"}
     assert per["unit"]["by_kind"]["input"] == 4 * 3 * 8 * 32 * 4
     assert per["none"]["by_kind"]["input"] == 0 and per["none"]["total"] == per["none"]["by_kind"]["resident"]
-    assert 0 < per["unit"]["total"] < per["none"]["total"]
+    assert 0 < per["unit"]["total"] < per["selective"]["total"] < per["none"]["total"]
     # the library's figure for the same call (int64 ids of shape (3, 8), 2 ranks)
     model = build_model("gpt-tiny")
     direct = estimate_activations(model, (torch.zeros(3, 8, dtype=torch.int64),), __import__("fxzero").Config(
-        cost_model=None), world_size=2)
+        cost_model=None), world_size=2, policies=("none", "unit", "selective"))
     assert {p: c.total for p, c in direct.items()} == {p: c["total"] for p, c in per.items()}
     m = got["megatron"]
     assert (m["hidden"], m["heads"], m["layers"]) == (32, 2, 4)
     sbh, as2b = 8 * 3 * 32, 2 * 8 * 8 * 3
     assert m["published_per_layer"] == {"none": 34 * sbh + 5 * as2b, "none_fused_attention": 34 * sbh,
-                                        "unit": 2 * sbh}
-    assert m["this_model"]["per_layer"] == {"none": 64 * sbh, "unit": 4 * sbh}  # fp32, no dropout, fused
+                                        "unit": 2 * sbh, "selective": 34 * sbh}
+    assert m["this_model"]["per_layer"] == {"none": 64 * sbh, "unit": 4 * sbh, "selective": 64 * sbh}  # fp32, fused
     only_unit = _json(runner, "gpt-tiny", "--world", "2", "--seq", "8", "--activations", "unit")["activations"]
     assert set(only_unit["per_policy"]) == {"unit"} and only_unit["micro_batch"] == 2  # the example's batch
 

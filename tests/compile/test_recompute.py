@@ -59,11 +59,12 @@ def _bytes(nodes) -> int:
 
 @pytest.fixture(scope="module")
 def runs():
-    return {recompute: _train(recompute) for recompute in ("none", "unit")}
+    return {recompute: _train(recompute) for recompute in ("none", "unit", "selective")}
 
 
-def test_a_recomputed_step_equals_the_resident_one_bit_for_bit(runs):
-    (resident, want), (recomputed, got) = runs["none"], runs["unit"]
+@pytest.mark.parametrize("policy", ["unit", "selective"])
+def test_a_recomputed_step_equals_the_resident_one_bit_for_bit(runs, policy):
+    (resident, want), (recomputed, got) = runs["none"], runs[policy]
     assert got == want
     state, expected = recomputed.full_state_dict(), resident.full_state_dict()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
@@ -76,6 +77,85 @@ def test_the_backward_gathers_no_more_than_the_resident_one(runs):
                 if i.kind == "all_gather"]
 
     assert gathers(runs["unit"][0]) == gathers(runs["none"][0])
+    assert gathers(runs["selective"][0]) == gathers(runs["none"][0])
+
+
+def _pass_summary(engine, name: str) -> dict:
+    return next(r for r in engine._stepping.compiled.pass_trace if r.name == name).summary
+
+
+def test_selective_keeps_matmul_outputs_and_recomputes_the_cheap_operators(runs):
+    """[Note: selective recompute]: of each unit, what is kept is an input, a random draw, a
+    value leaving the unit, or the cut's choice; nothing a matmul computes is recomputed; it keeps
+    between what "unit" and the resident run keep, and the pass trace records the cut."""
+    engine = runs["selective"][0]
+    forward = engine._stepping.compiled.programs["forward"].gm.graph
+    backward = engine._stepping.compiled.programs["backward"].gm.graph
+    assert not [n for n in backward.nodes if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                                                         torch.ops.aten.mm.default)
+                and n.meta.get("fxzero", {}).get("phase") == "forward"]
+    recomputed_matmuls = [n for n in backward.nodes if n.target is torch.ops.aten.addmm.default]
+    assert not recomputed_matmuls  # (GPT-2's Conv1D is addmm: its backward is mm's only)
+    unit_bytes, resident_bytes = _bytes(_saved(runs["unit"][0])), _bytes(_saved(runs["none"][0]))
+    kept = _bytes(_saved(engine))
+    assert unit_bytes < kept < resident_bytes
+    summary = _pass_summary(engine, "separate_phases")
+    assert summary["cut_recomputed_values"] > 0 and summary["cut_kept_bytes"] > 0
+    assert summary["recomputed_in_backward"] < _pass_summary(runs["unit"][0], "separate_phases")["recomputed_in_backward"]
+
+
+class _TwoBranches(torch.nn.Module):
+    """A block whose cheap tail reads two matmuls: tanh(a(x) + b(x)) * 2. Tanh's backward reads
+    its output; keeping both matmul outputs to recompute it costs twice what keeping the sum (or
+    tanh's output) does."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x) + self.b(x)) * 2
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_TwoBranches(), _TwoBranches()])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) * 1.5
+        return self.head(x).sum()
+
+
+def test_the_cut_keeps_the_sum_not_both_matmul_outputs():
+    """The minimum cut, not the greedy rule "keep every costly input of a recomputed value":
+    the greedy rule keeps a(x) and b(x), 2 tensors of (6, 8) per block; the cut keeps one (the
+    sum or tanh's output: the same bytes; the block's input is made outside it). Trains as the
+    resident run."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    state = _Stack().state_dict()
+    engines = {}
+    for policy in ("none", "selective"):
+        config = fxzero.Config(stage=3, cost_model=None,
+                               activations=fxzero.Activations(recompute=policy))
+        engines[policy] = engine = fxzero.compile(_Stack(), config, state_dict=state)
+        for _ in range(2):
+            engine.backward(engine(x))
+            engine.step()
+    assert engines["selective"].full_state_dict().keys() == engines["none"].full_state_dict().keys()
+    for k, v in engines["none"].full_state_dict().items():
+        assert torch.equal(engines["selective"].full_state_dict()[k], v), k
+    forward = engines["selective"]._stepping.compiled.programs["forward"].gm.graph
+    by_name = {n.name: n for n in forward.nodes}
+    kept = {}
+    for node in _saved(engines["selective"]):
+        scope = by_name[node.name].meta.get("fxzero_scope")
+        if scope is not None:
+            kept.setdefault(scope, []).append(tuple(node.meta["val"].shape))
+    assert kept == {"blocks.0": [(6, 8)], "blocks.1": [(6, 8)]}, kept
 
 
 def test_a_unit_keeps_what_crosses_its_edge_and_what_dropout_drew(runs):
@@ -136,7 +216,7 @@ def test_a_model_that_checkpoints_itself_trains_as_eager_and_keeps_less(runs):
 
 
 def test_recompute_is_refused_by_name_for_what_it_does_not_know():
-    with pytest.raises(ValueError, match=r"Activations\(recompute=...\) must be one of \('none', 'unit'\), got 'all'"):
+    with pytest.raises(ValueError, match=r"Activations\(recompute=...\) must be one of \('none', 'unit', 'selective'\), got 'all'"):
         fxzero.Activations(recompute="all")
 
 

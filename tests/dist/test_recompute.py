@@ -1,6 +1,7 @@
-"""`Activations(recompute="unit")` on 2 ranks at ZeRO-3, fp32: a Hugging Face GPT-2 with its
-dropouts trains 10 steps bit for bit as the resident run does on the same ranks, with the same
-all-gather bytes ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
+"""`Activations(recompute="unit")` and `"selective"` on 2 ranks at ZeRO-3, fp32: a Hugging Face
+GPT-2 with its dropouts trains 10 steps bit for bit as the resident run does on the same ranks,
+with the same all-gather bytes ([Note: recomputing a unit] in `fxzero/config/activations.py`,
+[Note: selective recompute] in `fxzero/passes/recompute_cut.py`)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,17 @@ def _train(rank: int, recompute: str, stage: int):
     return losses, engine.full_state_dict(), engine.comm_report()
 
 
-def _both(rank: int, world_size: int, stage: int):
-    return {recompute: _train(rank, recompute, stage) for recompute in ("none", "unit")}
+def _each(rank: int, world_size: int, stage: int, policies: tuple[str, ...]):
+    return {recompute: _train(rank, recompute, stage) for recompute in ("none",) + policies}
 
 
-@pytest.mark.parametrize("stage", [3, 2])
-def test_recompute_trains_as_the_resident_run_on_two_ranks(stage):
-    for rank, runs in enumerate(run_ranks(_both, 2, stage)):
-        (want, expected, traffic), (got, state, recomputed_traffic) = runs["none"], runs["unit"]
-        assert got == want, rank
-        assert all(torch.equal(state[k], expected[k]) for k in expected), rank
-        assert recomputed_traffic["all_gather"] == traffic["all_gather"]
-        assert recomputed_traffic == traffic
+@pytest.mark.parametrize("stage, policies", [(3, ("unit", "selective")), (2, ("unit",))])
+def test_recompute_trains_as_the_resident_run_on_two_ranks(stage, policies):
+    for rank, runs in enumerate(run_ranks(_each, 2, stage, policies)):
+        want, expected, traffic = runs["none"]
+        for policy in policies:
+            got, state, recomputed_traffic = runs[policy]
+            assert got == want, (rank, policy)
+            assert all(torch.equal(state[k], expected[k]) for k in expected), (rank, policy)
+            assert recomputed_traffic["all_gather"] == traffic["all_gather"]
+            assert recomputed_traffic == traffic

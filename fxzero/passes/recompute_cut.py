@@ -1,0 +1,98 @@
+"""Selective recompute: which of a unit's values the forward keeps, chosen by a minimum cut.
+
+[Note: selective recompute]
+Under `Activations(recompute="selective")` the backward recomputes the cheap operators of each
+unit (norms, activations, residual adds, views, softmaxes outside fused attention) and the forward
+keeps the outputs of the costly ones: the operators the cost model prices by their FLOPs
+(`fxzero.ir.sizes.flops`: matmuls, convolutions, attention), which cost the backward a second
+matmul's time to recompute. Which tensors cross the boundary is then a choice: a cheap value the
+backward reads can be kept, or recomputed from what is kept. The pass makes it as a minimum cut,
+the formulation of AOTAutograd's rematerialization partitioner (Chen et al.'s checkpointing as a
+graph cut), over bytes:
+
+    source --inf--> v_in   for each value the backward cannot recompute (a costly or random
+                           operator's output, a unit's input, anything outside the unit's interior)
+    v_in --bytes(v)--> v_out    keeping v costs its bytes
+    u_out --inf--> v_in    v reads u (recomputing v needs u kept or recomputed)
+    v_out --inf--> sink    the backward reads v
+
+A cut separates what the forward computes from what the backward has. A value whose v_in->v_out
+edge is cut is kept; a value whose v_in lies on the sink's side is recomputed; the cut's capacity
+is the bytes kept, the least any such choice keeps. The candidates are a unit's interior by
+the rule of `recompute="unit"` ([Note: recomputing a unit] in `fxzero/config/activations.py`),
+so the backward's gathers are the resident program's. Values derived from parameters alone are
+recomputed as always (no source edge reaches them). Random operators' draws are kept, as under
+"unit". Every value is recomputed by the same operators on the same inputs: bit for bit.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import networkx as nx
+import torch.fx as fx
+
+from fxzero.ir.sizes import flops, nbytes
+from fxzero.ir.tags import BACKWARD, FORWARD, phase
+
+__all__ = ["Cut", "selective_cut"]
+
+
+class Cut:
+    """The choice: the forward values the backward recomputes, and what it keeps for them."""
+
+    def __init__(self, recomputed: set[fx.Node], kept: set[fx.Node], costly: set[fx.Node]) -> None:
+        self.recomputed, self.kept, self.costly = recomputed, kept, costly
+
+    def summary(self) -> dict[str, int]:
+        return {"cut_kept_values": len(self.kept), "cut_kept_bytes": sum(nbytes(n.meta.get("val")) for n in self.kept),
+                "cut_recomputed_values": len(self.recomputed), "cut_costly_values": len(self.costly)}
+
+
+def _costly(node: fx.Node) -> bool:
+    """An operator the cost model prices by FLOPs (its output is kept, not recomputed); the
+    element of a tuple such an operator returns is its output too."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _costly(node.args[0])
+    return flops(node) > 0
+
+
+def selective_cut(graph: fx.Graph, interior: Callable[[fx.Node], bool],
+                  param_only: Callable[[fx.Node], bool]) -> Cut:
+    """The minimum cut of [Note: selective recompute] over `graph`'s forward, `interior` telling
+    the unit rule's candidates and `param_only` the values recomputed from parameters."""
+    g = nx.DiGraph()
+    candidates, costly = set(), set()
+    for node in graph.nodes:
+        if node.op == "output" or phase(node) != FORWARD:
+            continue
+        if param_only(node):
+            continue  # (always available in the backward, at no cost: no edges needed)
+        if interior(node) and not _costly(node):
+            candidates.add(node)
+        else:
+            if interior(node):
+                costly.add(node)
+            g.add_edge("source", (node, "in"))
+        tuple_valued = isinstance(node.meta.get("val"), (tuple, list))
+        if tuple_valued:
+            g.add_edge((node, "in"), (node, "out"))  # (a tuple is kept by its elements, never whole)
+        else:
+            g.add_edge((node, "in"), (node, "out"), capacity=nbytes(node.meta.get("val")))
+        for inp in node.all_input_nodes:
+            if phase(inp) == FORWARD and (inp, "out") in g:
+                g.add_edge((inp, "out"), (node, "in"))
+    for node in graph.nodes:
+        if node.op == "output" or phase(node) != BACKWARD:
+            continue
+        for inp in node.all_input_nodes:
+            if (inp, "out") in g:
+                g.add_edge((inp, "out"), "sink")
+    if "sink" not in g or "source" not in g:
+        return Cut(set(), set(), costly)
+    _, (forward_side, backward_side) = nx.minimum_cut(g, "source", "sink")
+    recomputed = {n for n in candidates if (n, "in") in backward_side}
+    kept = {n for n in g.nodes if isinstance(n, tuple) and n[1] == "in" and n in forward_side
+            and (n[0], "out") in backward_side}
+    return Cut(recomputed, {n for n, _ in kept}, costly)
