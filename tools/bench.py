@@ -42,6 +42,20 @@ bf16 tolerance; the summary gives fxzero-stage3-bf16's step against fsdp2-bf16, 
 floor-bf16, and its peak RSS against fsdp2-bf16's:
 
     .venv-bench/bin/python tools/bench.py --model small --rounds 3 --systems bf16 > bench-bf16.jsonl
+
+Activations side by side (`--systems activations`, issue 23): fxzero resident (fxzero-stage3),
+Activations(recompute="unit") and "selective" (fxzero-stage3-unit, -selective; a mode this fxzero
+lacks is skipped, with a note), FSDP2 with torch.utils.checkpoint around each block (fsdp2-ckpt)
+and DeepSpeed ZeRO-3 with its activation checkpointing (ds-zero3-ckpt: the model calls
+deepspeed.checkpointing.checkpoint per block and the config has the activation_checkpointing
+section), each peer next to its resident run, and DDP as the loss reference. --seq sets the
+sequence length (activations grow with it). The summary's "activations" holds the issue's bars
+(tools/bench/activations.py), also printed to stderr with pass/miss, fxzero's kept activation
+bytes (memory_report()["activations_peak"]) and whether fxzero's policies' losses equal the
+resident run's bit for bit:
+
+    .venv-bench/bin/python tools/bench.py --model small --seq 1024 --batch 4 --rounds 2 \
+        --systems activations > bench-activations.jsonl
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.bench import report  # noqa: E402
+from tools.bench.activations import bar_lines  # noqa: E402
 from tools.bench.common import background_cores  # noqa: E402
 from tools.bench.launch import run_system  # noqa: E402
 from tools.bench.spec import MODEL_PRESETS, RunSpec  # noqa: E402
@@ -79,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default: 2)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (default: 6)")
     parser.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default: the model's preset)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length, tokens (default: the model's seq_len)")
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (default: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is killed (default: 1800)")
@@ -110,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.seq is not None and args.seq < 1:
+        parser.error("--seq must be at least 1")
     if args.retries < 0:
         parser.error("--retries must be >= 0")
     return args
@@ -217,10 +235,14 @@ def finish(runs: dict[str, list[dict]], num_params: int, model: str, missing: di
         systems[name] = report.system_line(
             name, system.description, runs[name], reference, quiet_cores=quiet_cores,
             reference_name=reference_name, precision=system.precision, trains_alike=system.trains_alike,
+            activations=system.activations, resident=system.resident,
         )
     for name in runs:
         emit(systems[name])
-    emit(report.summary_line({n: systems[n] for n in runs}, num_params, model, missing))
+    summary = report.summary_line({n: systems[n] for n in runs}, num_params, model, missing)
+    emit(summary)
+    for line in bar_lines(summary):  # the issue's bars, readable: "[pass] what: value (bar <= x)"
+        progress(line)
     return systems
 
 
@@ -232,6 +254,8 @@ def main(argv=None) -> int:
     preset = dict(MODEL_PRESETS[args.model])
     if args.batch is not None:
         preset["batch"] = args.batch
+    if args.seq is not None:
+        preset["seq"] = args.seq
     spec = RunSpec(
         **preset, world_size=args.ranks, threads=args.threads, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout
     )
@@ -261,6 +285,7 @@ def main(argv=None) -> int:
         else:
             missing[name] = why
             emit({"event": "unavailable", "system": name, "reason": why})
+            progress(f"skipping {name}: {why}")
     if args.keep_logs:
         os.makedirs(args.keep_logs, exist_ok=True)
 

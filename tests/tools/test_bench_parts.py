@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -344,3 +346,191 @@ def test_summarize_compares_bf16_losses_with_ddp_bf16(tmp_path):
         assert proc.returncode == 0, proc.stderr
         summary = json.loads(proc.stdout.splitlines()[-1])
         assert (summary["losses_agree_bf16"], summary["losses_agree_fp32"], summary["losses_agree"]) == (False, True, False), name
+
+
+# --- activations side by side (issue 23) -----------------------------------------------------
+
+
+def test_run_spec_sequence_length():
+    from tools.bench.spec import gpt_shape, zoo_name
+
+    spec = RunSpec(model="tiny", batch=2, seq=24)
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert RunSpec(model="tiny", batch=2).seq is None
+    with pytest.raises(ValueError, match="seq"):
+        RunSpec(model="tiny", batch=1, seq=0)
+    assert gpt_shape("tiny", 24).seq_len == 24 and gpt_shape("tiny").seq_len == 16
+    # a benchmark-only shape keeps its own overrides
+    assert zoo_name("gpt-1b", 64) == ("1b", {"vocab_size": 8192, "n_blocks": 20, "tie_head": False, "seq_len": 64})
+    assert zoo_name("gpt-1b") == ("1b", {"vocab_size": 8192, "n_blocks": 20, "tie_head": False})
+
+
+def test_activation_systems_are_in_the_table_and_a_group():
+    group = systems.expand(["activations"])
+    assert group == list(systems.ACTIVATION_SYSTEMS) == [
+        "ddp", "fsdp2", "fsdp2-ckpt", "ds-zero3", "ds-zero3-ckpt",
+        "fxzero-stage3", "fxzero-stage3-unit", "fxzero-stage3-selective",
+    ]
+    table = systems.SYSTEMS
+    for name in group:
+        system = table[name]
+        if system.activations == "none":
+            assert system.resident is None, name
+        else:  # its resident twin is the same runner with the same options, less the checkpointing
+            twin = table[system.resident]
+            assert twin.runner == system.runner and twin.activations == "none", name
+    assert table["fsdp2-ckpt"].options == {"checkpoint": True}
+    assert table["ds-zero3-ckpt"].options == {"offload": None, "activation_checkpointing": True}
+    assert table["fxzero-stage3-unit"].options["config"] == {"activations": {"recompute": "unit"}}
+    assert table["fxzero-stage3-selective"].options["config"] == {"activations": {"recompute": "selective"}}
+
+
+def test_make_config_maps_activations(monkeypatch):
+    import fxzero
+    from tools.bench.fxzero_engine import make_config
+
+    spec = RunSpec(model="tiny", batch=1)
+    assert make_config(spec, {"activations": {"recompute": "unit"}}).activations == fxzero.Activations(recompute="unit")
+    assert make_config(spec, {}).activations == fxzero.Activations()  # Config's default: resident
+    with pytest.raises(ValueError, match="sometimes"):
+        make_config(spec, {"activations": {"recompute": "sometimes"}})
+    monkeypatch.setitem(
+        systems.SYSTEMS, "fxzero-stage3-sometimes",
+        systems.System("fxzero_engine", {"config": {"activations": {"recompute": "sometimes"}}}, activations="sometimes"),
+    )
+    reason = systems.unavailable("fxzero-stage3-sometimes", spec)
+    assert reason is not None and "sometimes" in reason
+    assert systems.unavailable("fxzero-stage3-unit", spec) is None
+
+
+def test_checkpoint_blocks_recompute_and_train_alike():
+    """A model whose blocks go through torch.utils.checkpoint gives the plain model's loss and
+    gradients (same seed, same batch) and runs each block's forward twice per step; through a
+    checkpoint function that does nothing, once: the count tells them apart."""
+    import functools
+
+    import torch.utils.checkpoint
+
+    from tools.bench.common import build_model, checkpoint_blocks, checkpoint_report, lm_loss, make_batch
+
+    spec = RunSpec(model="tiny", batch=2)
+    x, y = make_batch(spec, 96, 16, 0, 0)
+    plain = build_model(spec)
+    lm_loss(plain(x), y).backward()
+    for fn, forwards in ((functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False), 2),
+                         (lambda block, h: block(h), 1)):
+        model = checkpoint_blocks(build_model(spec), fn)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        assert loss.item() == lm_loss(plain(x), y).item()
+        got = dict(model.named_parameters())
+        for name, p in plain.named_parameters():
+            wrapped = re.sub(r"^blocks\.(\d+)\.", r"blocks.\1.block.", name)
+            assert torch.equal(got[wrapped].grad, p.grad), name
+        assert checkpoint_report(model) == {"checkpointed_blocks": 4, "checkpointed_block_forwards": 4 * forwards}
+    assert checkpoint_report(plain) == {"checkpointed_blocks": 0, "checkpointed_block_forwards": 0}
+
+
+def test_ds_config_activation_checkpointing_section():
+    from tools.bench.deepspeed_zero3 import ds_config
+
+    spec = RunSpec(model="tiny", batch=1)
+    assert "activation_checkpointing" not in ds_config(spec, None, 100, None)
+    section = ds_config(spec, None, 100, None, checkpoints=6)["activation_checkpointing"]
+    assert section == {  # DeepSpeed's keys (deepspeed/runtime/activation_checkpointing/config.py)
+        "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+        "number_checkpoints": 6, "synchronize_checkpoint_boundary": False, "profile": False,
+    }
+
+
+def _act(median: float, rss: float, activations: str, resident=None, act_bytes=None, losses=None, **extra) -> dict:
+    line = {"median_step_s": median, "peak_rss_mb": rss, "activations": activations,
+            "losses_per_rank": losses or [[2.0, 1.5], [2.1, 1.6]], "losses": [2.05, 1.55], **extra}
+    if resident:
+        line["resident"] = resident
+    if act_bytes is not None:
+        line["activations_peak_bytes"] = act_bytes
+    return line
+
+
+def test_activation_bars():
+    """The issue's bars from hand-written system lines: values, verdicts (at the bar: pass),
+    n/a where a system is missing, losses bit for bit, the peers' recompute count."""
+    from tools.bench.activations import BARS, activation_summary, bar_lines
+
+    lines = {
+        "fsdp2": _act(10.0, 2000.0, "none"),
+        "fsdp2-ckpt": _act(12.0, 1500.0, "checkpoint", "fsdp2", block_forwards_per_step=2.0,
+                           losses=[[2.0, 1.5000001], [2.1, 1.6]]),
+        "fxzero-stage3": _act(8.0, 1800.0, "none", act_bytes=1000),
+        "fxzero-stage3-unit": _act(10.8, 1500.0, "unit", "fxzero-stage3", act_bytes=140),
+        "fxzero-stage3-selective": _act(8.5, 1600.0, "selective", "fxzero-stage3", act_bytes=350),
+    }
+    part = activation_summary(lines, 1e-5)
+    bars = {bar["key"]: bar for bar in part["bars"]}
+    assert bars["unit_step_vs_fsdp2_ckpt"]["value"] == pytest.approx(0.9) and bars["unit_step_vs_fsdp2_ckpt"]["result"] == "pass"
+    assert bars["unit_peak_rss_vs_fsdp2_ckpt"]["value"] == 1.0 and bars["unit_peak_rss_vs_fsdp2_ckpt"]["result"] == "pass"
+    assert bars["unit_step_vs_resident"]["value"] == pytest.approx(1.35) and bars["unit_step_vs_resident"]["result"] == "miss"
+    assert bars["selective_step_vs_resident"]["value"] == pytest.approx(8.5 / 8.0)
+    assert bars["selective_step_vs_resident"]["result"] == "miss"  # 1.0625 > 1.05
+    assert bars["selective_activations_vs_resident"]["value"] == pytest.approx(0.35)
+    assert bars["selective_activations_vs_resident"]["result"] == "pass"
+    for key in ("unit_step_vs_ds_zero3_ckpt", "unit_peak_rss_vs_ds_zero3_ckpt"):
+        assert bars[key]["value"] is None and "ds-zero3-ckpt" in bars[key]["result"] and part["met"][key] is None
+    assert part["costs"]["unit_activations_vs_resident"] == pytest.approx(0.14)
+    assert part["costs"]["fsdp2_ckpt_step_vs_fsdp2"] == pytest.approx(1.2)
+    assert part["losses"]["fxzero_policies_equal_bitwise"] is True
+    assert part["losses"]["equal_to_resident"]["fsdp2-ckpt"] is False
+    assert part["met"]["peer_losses_within_tolerance"] is True  # 1e-7 off: within 1e-5
+    assert part["met"]["peers_recomputed"] is True
+    assert bar_lines({"activations": part})[0] == (
+        "[pass] fxzero unit step / FSDP2 + torch.utils.checkpoint step: 0.900 (bar <= 0.9)")
+    # the issue's bars, never lowered
+    assert {key: bound for key, _, _, _, bound, _ in BARS} == {
+        "unit_step_vs_fsdp2_ckpt": 0.9, "unit_step_vs_ds_zero3_ckpt": 0.8, "unit_peak_rss_vs_fsdp2_ckpt": 1.0,
+        "unit_peak_rss_vs_ds_zero3_ckpt": 1.0, "unit_step_vs_resident": 1.30, "selective_step_vs_resident": 1.05,
+        "selective_activations_vs_resident": 0.35,
+    }
+
+    # one policy one ulp off the resident run on one rank: not equal; a checkpoint that did nothing
+    off = math.nextafter(1.5, 2.0)
+    lines["fxzero-stage3-selective"] = _act(8.0, 1600.0, "selective", "fxzero-stage3", act_bytes=350,
+                                            losses=[[2.0, off], [2.1, 1.6]])
+    lines["fsdp2-ckpt"]["block_forwards_per_step"] = 1.0
+    part = activation_summary(lines, 1e-5)
+    assert part["met"]["fxzero_losses_equal"] is False and part["met"]["peers_recomputed"] is False
+    assert part["losses"]["equal_to_resident"] == {"fsdp2-ckpt": False, "fxzero-stage3-unit": True,
+                                                   "fxzero-stage3-selective": False}
+    # no system recomputes: no activations part at all
+    assert activation_summary({"fsdp2": lines["fsdp2"]}, 1e-5) is None
+
+
+def test_summarize_adds_the_activation_bars(tmp_path):
+    """`bench.py --summarize` of hand-written run lines of the activation systems: the system
+    lines take `activations` and `resident` from the table, the summary has the bars, stderr
+    prints them."""
+    rss = [400.0, 410.0]
+    mem = {"memory_report": {"activations_peak": 900}}
+    lines = [
+        {"event": "config", "spec": {"model": "small"}, "num_params": 1000},
+        _run("ddp", 1, [1.0, 1.2], rss, [2.0, 1.5]),
+        _run("fsdp2-ckpt", 1, [2.0, 2.0], [500.0, 500.0], [2.0, 1.5], block_forwards_per_step=2.0),
+        _run("fxzero-stage3", 1, [1.0, 1.0], rss, [2.0, 1.5], activations_peak_bytes_per_rank=[900, 800], **mem),
+        _run("fxzero-stage3-unit", 1, [1.2, 1.2], [300.0, 310.0], [2.0, 1.5],
+             activations_peak_bytes_per_rank=[100, 90], **mem),
+    ]
+    path = tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = subprocess.run([sys.executable, "tools/bench.py", "--summarize", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    by_system = {line["system"]: line for line in out if line["event"] == "system"}
+    assert by_system["fxzero-stage3-unit"]["resident"] == "fxzero-stage3"
+    assert by_system["fxzero-stage3-unit"]["activations_peak_bytes"] == 100
+    assert by_system["fsdp2-ckpt"]["activations"] == "checkpoint" and by_system["ddp"]["activations"] == "none"
+    bars = {bar["key"]: bar for bar in out[-1]["activations"]["bars"]}
+    assert bars["unit_step_vs_fsdp2_ckpt"]["value"] == pytest.approx(0.6)
+    assert bars["unit_step_vs_resident"]["value"] == pytest.approx(1.2)
+    assert "[pass] fxzero unit step / FSDP2 + torch.utils.checkpoint step: 0.600 (bar <= 0.9)" in proc.stderr
+    assert "[pass] fxzero unit peak RSS / FSDP2 + torch.utils.checkpoint peak RSS: 0.620 (bar <= 1)" in proc.stderr

@@ -16,7 +16,7 @@ import os
 import resource
 import tempfile
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,8 +26,11 @@ from tools.bench.spec import RunSpec, zoo_name
 
 __all__ = [
     "DTYPES",
+    "CheckpointedBlock",
     "Trainer",
     "build_model",
+    "checkpoint_blocks",
+    "checkpoint_report",
     "dtype_option",
     "loopback_bytes",
     "make_batch",
@@ -98,12 +101,52 @@ def build_model(spec: RunSpec, device: Optional[str] = None) -> nn.Module:
     """The benchmark's GPT under `torch.manual_seed(spec.seed)`; eager unless device="meta"."""
     from fxzero.zoo import gpt
 
-    size, overrides = zoo_name(spec.model)
+    size, overrides = zoo_name(spec.model, spec.seq)
     torch.manual_seed(spec.seed)
     if device is None:
         return gpt(size, **overrides)
     with torch.device(device):
         return gpt(size, **overrides)
+
+
+class CheckpointedBlock(nn.Module):
+    """A transformer block whose forward goes through an activation-checkpoint function, as a
+    user of a peer system writes it: `checkpoint(block, x)` keeps the block's input and
+    recomputes the rest of its forward in the backward. The function is the peer's own
+    (`torch.utils.checkpoint.checkpoint`, `deepspeed.checkpointing.checkpoint`)."""
+
+    def __init__(self, block: nn.Module, checkpoint: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.block = block
+        self.checkpoint = checkpoint
+        self.block_forwards = 0
+        """How often the block's forward ran: twice per step when its activations were
+        recomputed, once when the checkpoint function did nothing (DeepSpeed#5704)."""
+        block.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args: Any) -> None:
+        self.block_forwards += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint(self.block, x)
+
+
+def checkpoint_blocks(model: nn.Module, checkpoint: Callable[..., torch.Tensor]) -> nn.Module:
+    """Wrap each of `model.blocks` in a `CheckpointedBlock` (in place; returns the model).
+
+    Done after the model is built, so the weights are the seed's, as every system's are; only
+    the parameters' names gain a ".block" (no system here compares names across systems).
+    """
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = CheckpointedBlock(block, checkpoint)
+    return model
+
+
+def checkpoint_report(model: nn.Module) -> dict[str, int]:
+    """How many blocks are checkpointed and how often their forwards ran in all (for the run
+    line's `block_forwards_per_step`: 2.0 when every block was recomputed once per step)."""
+    blocks = [b for b in model.modules() if isinstance(b, CheckpointedBlock)]
+    return {"checkpointed_blocks": len(blocks), "checkpointed_block_forwards": sum(b.block_forwards for b in blocks)}
 
 
 SCRATCH_ENV = "BENCH_RUN_SCRATCH"

@@ -33,6 +33,14 @@ AdamW with the benchmark's hyper-parameters. Options, from the system table:
   `_force_fp32_zero_init` keeps fp32; with bf16 on that patch is not applied, so zero.Init
   follows the config's bf16.
 
+- activation_checkpointing True (the "ds-zero3-ckpt" system): as a DeepSpeed user must do it,
+  both halves (DeepSpeed#5704: the config section alone does nothing): the model calls
+  `deepspeed.checkpointing.checkpoint(block, x)` around each block (`common.checkpoint_blocks`;
+  DeepSpeed's reentrant CheckpointFunction, what Megatron-DeepSpeed calls), and the config's
+  `"activation_checkpointing"` section, read by `deepspeed.checkpointing.configure(None,
+  deepspeed_config=config)` as Megatron's scripts do, asks for plain recompute: no partitioning
+  (no model parallelism here), no cpu checkpointing, no contiguous buffer.
+
 Collectives go through deepspeed.comm -> torch.distributed, where they are counted.
 """
 
@@ -48,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from tools.bench.commcount import CommCounter
-from tools.bench.common import build_model, lm_loss, nvme_scratch
+from tools.bench.common import build_model, checkpoint_blocks, checkpoint_report, lm_loss, nvme_scratch
 from tools.bench.spec import RunSpec
 
 # Elements per optimizer sub-group and per gradient bucket with NVMe offload (see the module
@@ -58,9 +66,11 @@ NVME_REDUCE_BUCKET_SIZE = 50_000_000
 
 
 def ds_config(
-    spec: RunSpec, offload: Optional[str], largest_param: int, nvme_path: Optional[str], bf16: bool = False
+    spec: RunSpec, offload: Optional[str], largest_param: int, nvme_path: Optional[str], bf16: bool = False,
+    checkpoints: Optional[int] = None,
 ) -> dict:
-    """The DeepSpeed config for one run (bf16: `"bf16": {"enabled": true}`)."""
+    """The DeepSpeed config for one run (bf16: `"bf16": {"enabled": true}`; `checkpoints`: the
+    number of checkpointed blocks, for an `"activation_checkpointing"` section)."""
     params: dict[str, Any] = {
         "lr": spec.lr,
         "betas": list(spec.betas),
@@ -93,7 +103,7 @@ def ds_config(
         zero["reduce_bucket_size"] = NVME_REDUCE_BUCKET_SIZE
     elif offload is not None:
         raise ValueError(f"deepspeed runner: offload must be None, 'cpu' or 'nvme', got {offload!r}")
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": spec.batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": params},
@@ -104,6 +114,16 @@ def ds_config(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if checkpoints is not None:
+        config["activation_checkpointing"] = {
+            "partition_activations": False,  # splits checkpoints over model-parallel ranks: none here
+            "cpu_checkpointing": False,
+            "contiguous_memory_optimization": False,
+            "number_checkpoints": checkpoints,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
+    return config
 
 
 class DeepSpeedTrainer:
@@ -113,8 +133,10 @@ class DeepSpeedTrainer:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         offload = options.get("offload")
         bf16 = options.get("bf16", False)
-        if not isinstance(bf16, bool):
-            raise ValueError(f"deepspeed runner: bf16 must be True or False, got {bf16!r}")
+        checkpointing = options.get("activation_checkpointing", False)
+        for key, value in (("bf16", bf16), ("activation_checkpointing", checkpointing)):
+            if not isinstance(value, bool):
+                raise ValueError(f"deepspeed runner: {key} must be True or False, got {value!r}")
         self.nvme_path: Optional[str] = None
         if offload == "nvme":
             self.nvme_path = nvme_scratch(f"bench-ds-nvme-rank{dist.get_rank()}-")
@@ -123,7 +145,11 @@ class DeepSpeedTrainer:
         deepspeed.init_distributed(dist_backend="gloo")
         model = build_model(spec)
         largest = max(p.numel() for p in model.parameters())
-        self.config = ds_config(spec, offload, largest, self.nvme_path, bf16=bf16)
+        checkpoints = len(model.blocks) if checkpointing else None
+        self.config = ds_config(spec, offload, largest, self.nvme_path, bf16=bf16, checkpoints=checkpoints)
+        if checkpointing:
+            deepspeed.checkpointing.configure(None, deepspeed_config=self.config)
+            checkpoint_blocks(model, deepspeed.checkpointing.checkpoint)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config
         )
@@ -150,6 +176,8 @@ class DeepSpeedTrainer:
             else type(self.engine.optimizer).__name__,
             "zero_optimization": zero,
             "bf16": self.config["bf16"]["enabled"],
+            **({"activation_checkpointing": self.config["activation_checkpointing"],
+                **checkpoint_report(self.engine.module)} if "activation_checkpointing" in self.config else {}),
         }
 
     def close(self) -> None:

@@ -9,9 +9,11 @@ Initial weights, by `init` in the system's options:
   construction.
 
 Config knobs come from the system table (`systems.py`) as `fxzero.Config(..., **config)`; a knob
-this fxzero does not have makes the system unavailable (checked before any rank starts). Two take
+this fxzero does not have makes the system unavailable (checked before any rank starts). Three take
 a JSON-friendly value that `make_config` turns into the object: "prefetch" (a dict of
-`fxzero.Prefetch` fields) and "mixed_precision" (a name from `MIXED_PRECISION`: "bf16" is
+`fxzero.Prefetch` fields), "activations" (a dict of `fxzero.Activations` fields, e.g.
+{"recompute": "unit"}: a recompute mode this fxzero lacks makes the system unavailable, with
+Activations' own message) and "mixed_precision" (a name from `MIXED_PRECISION`: "bf16" is
 `fxzero.MixedPrecision(param_dtype=torch.bfloat16)`, gradients reduced in its default fp32).
 With mixed precision the engine's outputs are bf16; the loss is computed in fp32 from them
 (`common.lm_loss`), as for every system.
@@ -31,6 +33,7 @@ the same calls independently (reported beside it by the worker).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import shutil
@@ -103,7 +106,8 @@ def make_config(
 ) -> "fxzero.Config":
     """`fxzero.Config(stage=3, optimizer=AdamW(spec's), seed=spec.seed, offload=..., **config)`.
 
-    "prefetch" may be a dict of `fxzero.Prefetch` fields, "mixed_precision" a name from
+    "prefetch" may be a dict of `fxzero.Prefetch` fields, "activations" one of
+    `fxzero.Activations` fields, "mixed_precision" a name from
     `MIXED_PRECISION`. Raises TypeError (from the dataclass) for a knob this fxzero does not
     have, ValueError for a value it rejects.
     """
@@ -111,6 +115,10 @@ def make_config(
     kwargs = {"stage": 3, "optimizer": adamw, "seed": spec.seed, **config}
     if isinstance(kwargs.get("prefetch"), dict):  # the Prefetch knobs, e.g. {"keep_for_backward": False}
         kwargs["prefetch"] = fxzero.Prefetch(**kwargs["prefetch"])
+    if isinstance(kwargs.get("activations"), dict):  # the Activations knobs, e.g. {"recompute": "unit"}
+        if not hasattr(fxzero, "Activations"):
+            raise TypeError("this fxzero has no fxzero.Activations (activation recompute is not implemented)")
+        kwargs["activations"] = fxzero.Activations(**kwargs["activations"])
     if kwargs.get("mixed_precision") is not None:  # a name, e.g. "bf16" (MIXED_PRECISION)
         kwargs["mixed_precision"] = make_mixed_precision(kwargs["mixed_precision"])
     placement = make_offload(offload, nvme_path, offload_options)
@@ -134,6 +142,7 @@ class FxzeroTrainer:
                 spec, options.get("config", {}), self.offload, self.nvme_path, options.get("offload_options")
             )
             self.mixed_precision = getattr(config, "mixed_precision", None)
+            self.activations = getattr(config, "activations", None)
             state_dict: Optional[dict[str, torch.Tensor]] = None
             if init == "state_dict":
                 state_dict = build_model(spec).state_dict()
@@ -168,6 +177,9 @@ class FxzeroTrainer:
             "memory_report": self.memory,
             "offload": self.offload,
         }
+        if self.activations is not None:  # the policy as the engine has it (its defaults included)
+            out["activations_policy"] = {f.name: _plain(getattr(self.activations, f.name))
+                                  for f in dataclasses.fields(self.activations)}
         mp = self.mixed_precision
         if mp is not None:
             out["mixed_precision"] = {"param_dtype": str(mp.param_dtype), "reduce_dtype": str(mp.reduce_dtype)}
@@ -190,6 +202,11 @@ class FxzeroTrainer:
     def predict(self) -> dict[str, Any]:
         """The cost model's predicted step time, when fxzero has one (see `_predict`)."""
         return _predict(self.engine)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value as is; anything else (a tier object, a dtype) as its repr."""
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
 def _predict(engine) -> dict[str, Any]:

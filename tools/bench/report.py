@@ -12,6 +12,9 @@ Three kinds of line, each a JSON object with an "event" key:
   (`offload_step_vs_device`; the target holds on the 25M model) and with DeepSpeed at the same
   placement (`steps_per_s_vs_ds_same_placement`; the target holds where DeepSpeed's NVMe offload
   is I/O bound, the ~1B model).
+  Systems that recompute activations (fxzero's recompute policies, the peers' checkpointing)
+  have their own bars and loss checks, in the summary's "activations" (tools/bench/activations.py);
+  an fxzero one gets no step or RSS ratio against the resident peers here.
 
 A step's time is the slowest rank's (a step is done when every rank is); the median is over
 every timed step of every round, pooled. Losses are averaged over ranks (each rank trains on
@@ -23,6 +26,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
+from tools.bench.activations import activation_summary
 from tools.bench.commcount import COUNTED_BY
 
 __all__ = ["run_line", "system_line", "summary_line"]
@@ -63,6 +67,16 @@ RATIOS = {
 DEVICE_REFERENCES = ("fxzero-stage3-meta", "fxzero-stage3")
 
 
+RUN_KEYS = (
+    "init", "num_params", "memory_report", "engine_io", "predicted_step_s", "predicted_with", "predicted_detail",
+    "predicted_error", "deepspeed", "offload", "optimizer", "zero_optimization", "bf16", "autocast", "mp_policy",
+    "mixed_precision", "activations_policy", "activation_checkpointing", "block_forwards_per_step",
+)
+"""What a run line copies from rank 0's result as is, where the system reports it."""
+SYSTEM_KEYS = tuple(k for k in RUN_KEYS if k not in ("predicted_step_s", "predicted_error"))
+"""What a system line copies from its first kept run line as is."""
+
+
 def _median(xs: list[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
@@ -91,6 +105,7 @@ def run_line(name: str, round_: int, result: dict[str, Any], steps: int, warmup:
         step_times_s=timed,
         warmup_step_s=per_step[:warmup],
         losses=losses,
+        losses_per_rank=[r["losses"] for r in ranks],
         final_loss=losses[-1],
         peak_rss_mb_per_rank=[r["peak_rss_bytes"] / MB for r in ranks],
         rss_after_setup_mb_per_rank=[r["rss_after_setup_bytes"] / MB for r in ranks],
@@ -99,13 +114,18 @@ def run_line(name: str, round_: int, result: dict[str, Any], steps: int, warmup:
         comm_counted_by=r0.get("comm_counted_by", COUNTED_BY),
         loopback_bytes_per_step=r0.get("loopback_bytes_per_step"),
     )
+    if r0.get("checkpointed_blocks"):  # a peer's checkpointing: 2.0 when every block recomputed
+        line["block_forwards_per_step"] = r0["checkpointed_block_forwards"] / (r0["checkpointed_blocks"] * len(r0["losses"]))
+    peaks = [r.get("memory_report", {}).get("activations_peak") for r in ranks]
+    if all(p is not None for p in peaks):  # fxzero: the bytes its forwards kept, at most
+        line["activations_peak_bytes_per_rank"] = peaks
     if "engine_comm" in r0:  # fxzero: its own counters are the primary figure
         engine = _per_step(r0["engine_comm"], steps)
         line["engine_comm_per_step"] = engine
         line["engine_comm_elements_per_step"] = sum(t["elements"] for t in engine.values())
         line["engine_comm_bytes_per_step"] = sum(t["bytes"] for t in engine.values())
         line["engine_comm_counted_by"] = r0["engine_comm_counted_by"]
-    for key in ("init", "num_params", "memory_report", "engine_io", "predicted_step_s", "predicted_with", "predicted_detail", "predicted_error", "deepspeed", "offload", "optimizer", "zero_optimization", "bf16", "autocast", "mp_policy", "mixed_precision"):
+    for key in RUN_KEYS:
         if key in r0:
             line[key] = r0[key]
     return line
@@ -121,6 +141,8 @@ def system_line(
     reference_name: str = "ddp",
     precision: str = "fp32",
     trains_alike: bool = True,
+    activations: str = "none",
+    resident: Optional[str] = None,
 ) -> dict[str, Any]:
     """The "system" line: `runs` are this system's kept "run" lines; `reference` is the line of
     its loss reference, `reference_name` (DDP's for fp32, ddp-bf16's for bf16: LOSS_REFERENCES).
@@ -132,9 +154,15 @@ def system_line(
 
     With `quiet_cores`, also the median over the runs during which other processes kept fewer
     cores than that busy (`median_step_s_quiet`), next to the median over all kept runs.
+
+    `activations` and `resident` are the system table's (`systems.System`): what the system does
+    with activations and which system keeps them all; the summary's "activations" part reads them.
     """
     ok = [r for r in runs if r["ok"]]
     line: dict[str, Any] = {"event": "system", "system": name, "description": description, "precision": precision, "rounds_ok": len(ok), "rounds_failed": len(runs) - len(ok)}
+    line["activations"] = activations
+    if resident is not None:
+        line["resident"] = resident
     if not ok:
         line["error"] = runs[0]["error"] if runs else "no run"
         return line
@@ -160,11 +188,16 @@ def system_line(
         loopback_bytes_per_step=_median([r["loopback_bytes_per_step"] for r in ok if r.get("loopback_bytes_per_step") is not None]),
         final_loss=first["final_loss"],
         losses=first["losses"],
+        losses_per_rank=first.get("losses_per_rank"),
         background_cores_per_round=[r.get("background_cores") for r in ok],
         loss_max_dev_across_rounds=max(
             (abs(a - b) for r in ok[1:] for a, b in zip(r["losses"], first["losses"])), default=0.0
         ),
     )
+    if all("activations_peak_bytes_per_rank" in r for r in ok):
+        per_rank = [max(r["activations_peak_bytes_per_rank"][i] for r in ok) for i in range(world)]
+        line["activations_peak_bytes_per_rank"] = per_rank
+        line["activations_peak_bytes"] = max(per_rank)
     if "engine_comm_elements_per_step" in first:
         # fxzero's own counters are the figure; the wrapped collectives stay as the cross-check.
         line["comm_elements_per_step_wrapped"] = line["comm_elements_per_step"]
@@ -183,7 +216,7 @@ def system_line(
     errors = [r["predicted_error"] for r in ok if "predicted_error" in r]
     if errors:
         line["predicted_error"] = errors[0]
-    for key in ("init", "num_params", "memory_report", "engine_io", "predicted_with", "predicted_detail", "deepspeed", "offload", "optimizer", "zero_optimization", "bf16", "autocast", "mp_policy", "mixed_precision"):
+    for key in SYSTEM_KEYS:
         if key in first:
             line[key] = first[key]
     if reference is not None and reference.get("losses"):
@@ -218,7 +251,10 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         if not name.startswith("fxzero") or "median_step_s" not in s:
             continue
         precision = s.get("precision", "fp32")
-        ratios = RATIOS.get(precision, ())
+        # A recomputing fxzero system's bars are against the checkpointed peers and its own
+        # resident run (the summary's "activations"), not against the resident peers.
+        recomputes = s.get("activations", "none") != "none"
+        ratios = () if recomputes else RATIOS.get(precision, ())
         t: dict[str, Any] = {}
         if precision != "fp32":
             t["precision"] = precision
@@ -256,7 +292,7 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
     agree_fp32 = _all_within({**rel, **first}, LOSS_TOLERANCE)
     agree_bf16 = _all_within({**rel_bf16, **first_bf16}, LOSS_TOLERANCE_BF16)
     agreements = [a for a in (agree_fp32, agree_bf16) if a is not None]
-    return {
+    out = {
         "event": "summary",
         "model": model,
         "num_params": num_params,
@@ -298,6 +334,10 @@ def summary_line(systems: dict[str, dict[str, Any]], num_params: int, model: str
         "unavailable": unavailable,
         "failed": sorted(n for n, s in systems.items() if "median_step_s" not in s),
     }
+    activations = activation_summary(systems, LOSS_TOLERANCE)
+    if activations is not None:
+        out["activations"] = activations
+    return out
 
 
 def _offload_ratios(name: str, s: dict[str, Any], systems: dict[str, dict[str, Any]]) -> dict[str, Any]:

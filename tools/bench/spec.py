@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["BENCH_SHAPES", "MODEL_PRESETS", "RunSpec", "gpt_shape", "zoo_name"]
 
@@ -17,7 +17,10 @@ class RunSpec:
     """A GPT size from `fxzero.zoo.GPT_SIZES` ("tiny", "small", "gpt2", ...) or from
     `BENCH_SHAPES` ("gpt-1b"); `gpt_shape(model)` is its shape."""
     batch: int
-    """Micro-batch per rank (sequences of the model's full seq_len)."""
+    """Micro-batch per rank (sequences of `seq` tokens)."""
+    seq: Optional[int] = None
+    """Tokens per sequence, and the model's seq_len (its position table has that many rows);
+    None: the model's own (`fxzero.zoo.GPT_SIZES`; 128 for "small"). Activations grow with it."""
     world_size: int = 2
     """Ranks, one process each, on gloo."""
     threads: int = 1
@@ -41,6 +44,8 @@ class RunSpec:
         for name in ("batch", "world_size", "threads", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name} must be at least 1, got {getattr(self, name)}")
+        if self.seq is not None and self.seq < 1:
+            raise ValueError(f"RunSpec.seq must be at least 1 (or None: the model's own), got {self.seq}")
         if self.warmup < 0:
             raise ValueError(f"RunSpec.warmup must be >= 0, got {self.warmup}")
 
@@ -68,17 +73,22 @@ BENCH_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 """Benchmark-only shapes: name -> (zoo size, GPTConfig fields overridden)."""
 
 
-def zoo_name(model: str) -> tuple[str, dict[str, Any]]:
-    """`(size, overrides)` such that `fxzero.zoo.gpt(size, **overrides)` builds `model`."""
+def zoo_name(model: str, seq: Optional[int] = None) -> tuple[str, dict[str, Any]]:
+    """`(size, overrides)` such that `fxzero.zoo.gpt(size, **overrides)` builds `model`, with
+    `seq_len=seq` unless `seq` is None."""
     base, overrides = BENCH_SHAPES.get(model, (model, {}))
-    return base, dict(overrides)
+    overrides = dict(overrides)
+    if seq is not None:
+        overrides["seq_len"] = seq
+    return base, overrides
 
 
-def gpt_shape(model: str):
-    """The `fxzero.zoo.GPTConfig` of a benchmark model (a zoo size or a `BENCH_SHAPES` name)."""
+def gpt_shape(model: str, seq: Optional[int] = None):
+    """The `fxzero.zoo.GPTConfig` of a benchmark model (a zoo size or a `BENCH_SHAPES` name),
+    at sequence length `seq` unless None."""
     from fxzero.zoo import GPT_SIZES
 
-    base, overrides = zoo_name(model)
+    base, overrides = zoo_name(model, seq)
     if base not in GPT_SIZES:
         raise ValueError(f"unknown model {model!r}; choose one of {sorted(MODEL_PRESETS)}")
     return dataclasses.replace(GPT_SIZES[base], **overrides)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from tools.bench.spec import RunSpec
 
-__all__ = ["BF16_SYSTEMS", "DEFAULT_SYSTEMS", "SYSTEM_GROUPS", "SYSTEMS", "System", "expand", "unavailable"]
+__all__ = ["ACTIVATION_SYSTEMS", "BF16_SYSTEMS", "DEFAULT_SYSTEMS", "SYSTEM_GROUPS", "SYSTEMS", "System", "expand", "unavailable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,14 @@ class System:
     """False where the ranks do not train one model together (the no-communication floor: no
     gradient is averaged, so the ranks' models part after the first update): only the first
     step's loss, before any update, is compared."""
+    activations: str = "none"
+    """What the system does with the activations the backward needs: "none" keeps them all;
+    "checkpoint" is a peer's own activation checkpointing around each block; for fxzero, the
+    `Activations(recompute=...)` mode ("unit", "selective"). See `tools/bench/activations.py`."""
+    resident: Optional[str] = None
+    """For a system that recomputes activations: the same system keeping them all, whose losses
+    this one's are held to (fxzero's: bit for bit) and whose step, peak RSS and activation
+    bytes its own are compared with."""
 
 
 _DS_ENV = {"DS_ACCELERATOR": "cpu"}
@@ -77,6 +85,19 @@ SYSTEMS: dict[str, System] = {
     "ds-zero3": System(
         "deepspeed_zero3", {"offload": None}, "DeepSpeed ZeRO-3, torch AdamW", _DS_ENV
     ),
+    # Activation checkpointing side by side (issue 23; the "activations" group): each peer as its
+    # users turn it on, next to its resident run, and fxzero's recompute policies next to its own.
+    "fsdp2-ckpt": System(
+        "fsdp2", {"checkpoint": True},
+        "PyTorch FSDP2, torch.utils.checkpoint (non-reentrant) around each block, fully_shard per block + root",
+        activations="checkpoint", resident="fsdp2",
+    ),
+    "ds-zero3-ckpt": System(
+        "deepspeed_zero3", {"offload": None, "activation_checkpointing": True},
+        "DeepSpeed ZeRO-3, deepspeed.checkpointing.checkpoint around each block + the config's "
+        "activation_checkpointing section, torch AdamW",
+        _DS_ENV, activations="checkpoint", resident="ds-zero3",
+    ),
     "ds-zero3-offload-cpu": System(
         "deepspeed_zero3",
         {"offload": "cpu"},
@@ -113,6 +134,20 @@ SYSTEMS: dict[str, System] = {
         "fxzero_engine",
         {"init": "state_dict", "config": {"prefetch": {"keep_for_backward": False}}},
         "fxzero ZeRO-3, prefetch without keep_for_backward (3 x Phi per step)",
+    ),
+    "fxzero-stage3-unit": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"activations": {"recompute": "unit"}}},
+        'fxzero ZeRO-3, Activations(recompute="unit"): each unit\'s inputs kept, the rest recomputed',
+        activations="unit", resident="fxzero-stage3",
+    ),
+    # Unavailable, with Activations' own message, in an fxzero without recompute="selective".
+    "fxzero-stage3-selective": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"activations": {"recompute": "selective"}}},
+        'fxzero ZeRO-3, Activations(recompute="selective"): matmul and attention outputs kept, '
+        "cheap ops recomputed",
+        activations="selective", resident="fxzero-stage3",
     ),
     "fxzero-stage3-meta": System(
         "fxzero_engine",
@@ -169,7 +204,22 @@ BF16_SYSTEMS: tuple[str, ...] = (
 )
 """The bf16 side by side: fxzero-stage3-bf16 and what its summary ratios are taken against."""
 
-SYSTEM_GROUPS: dict[str, tuple[str, ...]] = {"default": DEFAULT_SYSTEMS, "bf16": BF16_SYSTEMS}
+ACTIVATION_SYSTEMS: tuple[str, ...] = (
+    "ddp",
+    "fsdp2",
+    "fsdp2-ckpt",
+    "ds-zero3",
+    "ds-zero3-ckpt",
+    "fxzero-stage3",
+    "fxzero-stage3-unit",
+    "fxzero-stage3-selective",
+)
+"""The activation side by side (`--systems activations`, issue 23): fxzero's policies and each
+peer with and without its checkpointing; DDP as every fp32 system's loss reference."""
+
+SYSTEM_GROUPS: dict[str, tuple[str, ...]] = {
+    "default": DEFAULT_SYSTEMS, "bf16": BF16_SYSTEMS, "activations": ACTIVATION_SYSTEMS,
+}
 """Names --systems accepts for several systems at once."""
 
 

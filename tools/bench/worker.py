@@ -47,7 +47,7 @@ def run(name: str, spec: RunSpec) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.timeout_s))
     rank = dist.get_rank()
-    shape = gpt_shape(spec.model)
+    shape = gpt_shape(spec.model, spec.seq)
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     trainer = None
     try:
