@@ -45,6 +45,7 @@ _EXPORTS = {
     "RandomLTD": "fxzero.config",
     "Rprop": "fxzero.config",
     "SGD": "fxzero.config",
+    "Tiling": "fxzero.config",
     "UnitsPolicy": "fxzero.config",
     "LRRangeTest": "fxzero.config.schedules",
     "OneCycle": "fxzero.config.schedules",

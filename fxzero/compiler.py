@@ -16,6 +16,7 @@ import torch.nn as nn
 from fxzero.config import Config
 from fxzero.passes import build_pipeline
 from fxzero.passes.runner import PassContext, run_pipeline
+from fxzero.passes.tile import plan_tiles
 from fxzero.schedule import build_schedule
 from fxzero.schedule.compiled import CompiledProgram
 from fxzero.target_device import target_device
@@ -40,7 +41,7 @@ def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=N
         layouts = [dataclasses.replace(lay, dtype=master) if lay.dtype.is_floating_point else lay
                    for lay in layouts]
     if config.bucket is None:
-        return layouts
+        return _tiled(model, config, layouts)
     max_bytes = config.bucket.max_bytes
     if max_bytes is None:
         if cost_model is None:
@@ -49,7 +50,14 @@ def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=N
                 "none: set Bucket(max_bytes=...) or give a cost model (Config.cost_model)"
             )
         max_bytes = cost_model.latency_bound_bytes()
-    return bucket_units(layouts, max_bytes=max_bytes)
+    return _tiled(model, config, bucket_units(layouts, max_bytes=max_bytes))
+
+
+def _tiled(model: nn.Module, config: Config, layouts: list[UnitLayout]) -> list[UnitLayout]:
+    """Weights over `Config.tiling`'s bound split into units of rows ([Note: tiling] in `passes/tile.py`)."""
+    mp = config.mixed_precision
+    return plan_tiles(model, layouts, config.tiling, stage=config.stage,
+                      itemsize=mp.param_dtype.itemsize if mp is not None else None)
 
 
 def recompute_scopes(model: nn.Module, config: Config, forward_only: bool = False) -> tuple[str, ...]:

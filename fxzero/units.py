@@ -173,8 +173,10 @@ def bucket_units(layouts: list[UnitLayout], *, max_bytes: int) -> list[UnitLayou
 
 
 def persistent_units(config: Config, layouts: list[UnitLayout]) -> frozenset[str]:
-    """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3."""
-    return frozenset(u.name for u in layouts if config.persistent(u.numel))
+    """Units held whole for the whole step: all of them at stages 1-2, small ones at stage 3 (never
+    a tile: [Note: tiling] in `fxzero/passes/tile.py`)."""
+    return frozenset(u.name for u in layouts if config.persistent(u.numel)
+                     and not any(s.param_shape is not None for s in u.slots))
 
 
 def persistence_differences(config: Config, layouts: list[UnitLayout]) -> list[str]:

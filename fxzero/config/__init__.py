@@ -7,6 +7,7 @@
 - `precision`: `MixedPrecision`, float16's `LossScale`, and `Autocast`;
 - `random_ltd`: `RandomLTD`, DeepSpeed's random layer-token drop;
 - `activations`: `Activations`, what the forward keeps for the backward and what is recomputed;
+- `tiling`: `Tiling`, operators too wide to gather whole computed as tiles;
 - `config`: `Config` itself; `deepspeed`: `from_deepspeed`, a DeepSpeed config read key by key.
 """
 
@@ -18,6 +19,7 @@ from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Ad
                                     UnitsPolicy)
 from fxzero.config.precision import Autocast, LossScale, MixedPrecision
 from fxzero.config.random_ltd import RandomLTD
+from fxzero.config.tiling import Tiling
 
 __all__ = [
     "OPTIMIZERS",
@@ -51,6 +53,7 @@ __all__ = [
     "RMSprop",
     "Rprop",
     "SGD",
+    "Tiling",
     "UnitsPolicy",
     "state_kinds",
 ]

@@ -29,6 +29,7 @@ from fxzero.config.placement import Offload
 from fxzero.config.precision import Autocast, MixedPrecision
 from fxzero.config.policies import OPTIMIZERS, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
 from fxzero.config.random_ltd import RandomLTD
+from fxzero.config.tiling import Tiling
 
 __all__ = ["TRANSPORTS", "Config"]
 
@@ -76,6 +77,10 @@ class Config:
     """What the forward keeps for the backward: everything (default), or with
     `Activations(recompute="unit")` each unit's inputs, its forward recomputed in the backward
     ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
+    tiling: Optional[Tiling] = None
+    """ZeRO-3: compute each Linear whose gathered weight exceeds `Tiling.max_bytes` as tiles of
+    output rows, each gathered, used and freed on its own (memory-centric tiling; docs/tiling.md);
+    None: every operator's weight is gathered whole."""
     gradient_accumulation_steps: Optional[int] = None
     """Micro-steps per optimizer step: `engine.step()` updates at every n-th call; the gradients of
     the calls between accumulate in the gradient shards (each backward's loss divided by n, as
@@ -146,6 +151,8 @@ class Config:
         if self.random_ltd is not None and not isinstance(self.random_ltd, RandomLTD):
             raise TypeError(f"Config.random_ltd must be a fxzero.config.random_ltd.RandomLTD or None, got "
                             f"{type(self.random_ltd).__name__}")
+        if self.tiling is not None and not isinstance(self.tiling, Tiling):
+            raise TypeError(f"Config.tiling must be a fxzero.Tiling or None, got {type(self.tiling).__name__}")
         if not isinstance(self.program_cache_size, int) or self.program_cache_size < 1:
             raise ValueError(f"Config.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
         if not isinstance(self.units, UnitsPolicy):

@@ -9,7 +9,7 @@ one without talking to the others. Compiler and runtime share these types.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -21,12 +21,37 @@ __all__ = ["ParamSlot", "UnitLayout", "unique_parameters"]
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives inside its unit's flat buffer."""
+    """Where one parameter, or a tile of one, lives inside its unit's flat buffer."""
 
     fqn: str
     shape: tuple[int, ...]
+    """What this slot holds: the parameter's shape, or its tile's (some rows)."""
     offset: int
     numel: int
+    start: int = 0
+    """The first element of the parameter (flattened) this slot holds: 0 but for a tile."""
+    param_shape: Optional[tuple[int, ...]] = None
+    """The whole parameter's shape where this slot holds a tile of its rows (each tile its own
+    unit: [Note: tiling] in `fxzero/passes/tile.py`); None where it holds all of it."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The parameter's shape as the user sees it."""
+        return self.shape if self.param_shape is None else self.param_shape
+
+    def read_into(self, flat: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Copy this slot's elements of its unit's whole flat buffer `flat` into `values[fqn]`, a new
+        tensor of the parameter's full shape (a tile fills its rows of it: the first tile read
+        allocates it); returns `values[fqn]`."""
+        part = flat[self.offset : self.offset + self.numel]
+        if self.param_shape is None:
+            values[self.fqn] = part.view(self.shape).clone()
+        else:
+            whole = values.get(self.fqn)
+            if whole is None:
+                whole = values[self.fqn] = part.new_empty(self.param_shape)
+            whole.view(-1)[self.start : self.start + self.numel].copy_(part)
+        return values[self.fqn]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +133,14 @@ class UnitLayout:
             "dtype": str(self.dtype).removeprefix("torch."),
             "world_size": self.world_size,
             "trainable": self.trainable,
-            "slots": [[s.fqn, list(s.shape), s.offset, s.numel] for s in self.slots],
+            "slots": [[s.fqn, list(s.shape), s.offset, s.numel]
+                      + ([s.start, list(s.param_shape)] if s.param_shape is not None else []) for s in self.slots],
         }
 
     @classmethod
     def from_json(cls, d: dict) -> "UnitLayout":
-        slots = tuple(ParamSlot(f, tuple(shape), off, n) for f, shape, off, n in d["slots"])
+        slots = tuple(ParamSlot(f, tuple(shape), off, n, *([rest[0], tuple(rest[1])] if rest else []))
+                      for f, shape, off, n, *rest in d["slots"])
         return cls(d["name"], slots, getattr(torch, d["dtype"]), d["world_size"], d["trainable"])
 
 

@@ -17,6 +17,7 @@ from fxzero.passes import (
     split,
     step_in_backward,
     step_program,
+    tile,
 )
 from fxzero.passes.runner import Pass
 from fxzero.units import persistent_units
@@ -34,7 +35,9 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     state_dtype = mp.optimizer_dtype if mp is not None else None  # (None: the masters' own)
     tiers = config.offload.tiers(mixed_precision=low is not None, optimizer=config.optimizer)
     lookahead = config.offload.lookahead
+    tiled = any(tile.is_tile(lay) for lay in layouts)
     passes = [
+        *([tile.PASS] if tiled else []),
         partition.make(persistent=persistent),
         separate_phases.make(recompute=config.activations.recompute),
         insert_gather_free.PASS,
@@ -42,7 +45,12 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         choose_collectives.make(cost_model=cost_model),
     ]
     if config.prefetch is not None:
-        passes.append(prefetch.make(max_live_bytes=config.prefetch.max_live_bytes))
+        budget = config.prefetch.max_live_bytes
+        if budget is None and tiled:  # the tiles gathered at once within the bound ([Note: tiling], tile.py)
+            size = mp.param_dtype.itemsize if mp is not None else None
+            budget = config.tiling.max_bytes + max((lay.padded_numel * (size or lay.itemsize) for lay in layouts
+                                                    if not tile.is_tile(lay)), default=0)
+        passes.append(prefetch.make(max_live_bytes=budget))
     if "param" in tiers:
         passes.append(offload_params.make(tier=tiers["param"], lookahead=lookahead, cost_model=cost_model, low_dtype=low))
         passes.append(keep_for_backward.make(buffer="fetched", count=lookahead + 1))

@@ -59,7 +59,9 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
 
     grad_shards = []
     for layout in [lay for lay in ctx.layouts if lay.trainable]:
-        grads = [grad_of[s.fqn] for s in layout.slots]
+        # (a tile's gradient is its own: [Note: tiling] in `passes/tile.py`)
+        grads = [grad_of[s.fqn] if s.param_shape is None else ctx.outputs["tile_grads"][s.fqn, s.start]
+                 for s in layout.slots]
         present = [g for g in grads if isinstance(g, fx.Node)]
         pos = positions(graph)
         anchor = max(present, key=pos.__getitem__) if present else out.prev

@@ -53,13 +53,13 @@ class _Sink:
         self.rank = rank
         self.spill, self.spill_to = spill, spill_to
         self.layouts = {layout.name: layout for layout in layouts}
-        self.where: dict[str, tuple[UnitLayout, ParamSlot]] = {}
+        self.where: dict[str, list[tuple[UnitLayout, ParamSlot]]] = {}  # (several: a tiled parameter's tiles)
         self.storage: dict[str, torch.Tensor] = {}
         self.remaining: dict[str, set[str]] = {}
         for layout in layouts:
             self.remaining[layout.name] = {slot.fqn for slot in layout.slots}
             for slot in layout.slots:
-                self.where[slot.fqn] = (layout, slot)
+                self.where.setdefault(slot.fqn, []).append((layout, slot))
         self.filled: set[str] = set()
 
     def _buffer(self, layout: UnitLayout) -> torch.Tensor:
@@ -71,10 +71,13 @@ class _Sink:
         return self.storage[layout.name]
 
     def put(self, fqn: str, value: torch.Tensor) -> None:
-        layout, slot = self.where[fqn]
-        if tuple(value.shape) != slot.shape:
-            raise ValueError(f"{fqn}: got shape {tuple(value.shape)}, the model has {slot.shape}")
-        flat = value.detach().reshape(-1).to(layout.dtype)
+        for layout, slot in self.where[fqn]:
+            self._put(layout, slot, fqn, value)
+
+    def _put(self, layout: UnitLayout, slot: ParamSlot, fqn: str, value: torch.Tensor) -> None:
+        if tuple(value.shape) != slot.full_shape:
+            raise ValueError(f"{fqn}: got shape {tuple(value.shape)}, the model has {slot.full_shape}")
+        flat = value.detach().reshape(-1)[slot.start : slot.start + slot.numel].to(layout.dtype)
         buffer = self._buffer(layout)
         if layout.name in self.whole:
             buffer[slot.offset : slot.offset + slot.numel].copy_(flat)

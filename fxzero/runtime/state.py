@@ -188,7 +188,7 @@ class RankState:
         for layout in self.layouts:
             flat = self.full_unit(layout.name, comm, compute)
             for slot in layout.slots:
-                full[slot.fqn] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                slot.read_into(flat, full)
         out = {}
         first: dict[int, str] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):

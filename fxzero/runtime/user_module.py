@@ -79,6 +79,10 @@ class UserModule:
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=True))
         self.slot: dict[str, tuple[UnitLayout, ParamSlot]] = {
             slot.fqn: (layout, slot) for layout in state.layouts for slot in layout.slots}
+        self.units_of: dict[str, list[str]] = {}  # FQN -> its units (a tiled parameter's: one per tile)
+        for layout in state.layouts:
+            for slot in layout.slots:
+                self.units_of.setdefault(slot.fqn, []).append(layout.name)
         self._module_fqn = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
         buffer_first: dict[int, str] = {}
         self._buffer_owners = [(owner, name, buffer_first.setdefault(id(b), fqn))
@@ -115,6 +119,7 @@ class UserModule:
         """Point every parameter at what the engine holds now (after a step, a load, a gather),
         and every buffer at the engine's. Cheap when nothing moved: units whose storage is the
         one already viewed are skipped."""
+        tiles: dict[str, torch.Tensor] = {}  # (a tiled parameter assembled from its tiles' whole buffers)
         for layout in self.state.layouts:
             whole = self.state.whole_buffer(layout.name, compute=True)
             key = id(whole) if whole is not None else None
@@ -124,11 +129,13 @@ class UserModule:
             for slot in layout.slots:
                 if slot.fqn in self._gathered:
                     continue
-                if whole is not None:
+                if whole is not None and slot.param_shape is not None:
+                    value = slot.read_into(whole, tiles)
+                elif whole is not None:
                     value = whole[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 else:
                     dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
-                    value = torch.empty(slot.shape, dtype=dtype, device="meta")
+                    value = torch.empty(slot.full_shape, dtype=dtype, device="meta")
                 _set(self.params[slot.fqn], value)
         self.bind_buffers()
 
@@ -147,7 +154,7 @@ class UserModule:
 
     def _units_of(self, fqns: Iterable[str]) -> list[UnitLayout]:
         """The units holding `fqns`, in layout order (the same order on every rank)."""
-        wanted = {self.slot[f][0].name for f in fqns}
+        wanted = {unit for f in fqns for unit in self.units_of[f]}
         return [layout for layout in self.state.layouts if layout.name in wanted]
 
     def gather(self, fqns: Iterable[str], *, compute: bool, what: str) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
@@ -186,10 +193,11 @@ class UserModule:
         if not wanted:
             return
         name = "model.state_dict()" if module is self.model else f"{type(module).__name__}.state_dict()"
+        values: dict[str, torch.Tensor] = {}
         for layout, flat in self.gather(wanted, compute=True, what=name):
             for slot in layout.slots:
                 if slot.fqn in wanted:  # (a tied parameter: one tensor under each of its names, as eager's)
-                    value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                    value = slot.read_into(flat, values)
                     for key in wanted[slot.fqn]:
                         state_dict[key] = value
 
@@ -226,11 +234,13 @@ class UserModule:
         `modifier_rank`, that rank's values at the end become every rank's (its shard, the
         compute-dtype copy, a tier), else changes are dropped. A collective."""
         fqns = [f for f in fqns if f not in self._gathered]  # (nested: the outer block owns them)
-        flats = {}
+        flats, tiles = {}, {}
         for layout, flat in self.gather(fqns, compute=False, what="GatheredParameters"):
             flats[layout.name] = flat
             for slot in layout.slots:
-                if slot.fqn in fqns:
+                if slot.fqn in fqns and slot.param_shape is not None:  # (a copy: written back below)
+                    _set(self.params[slot.fqn], slot.read_into(flat, tiles))
+                elif slot.fqn in fqns:
                     _set(self.params[slot.fqn], flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
         self._gathered.update(fqns)
         try:
@@ -239,6 +249,10 @@ class UserModule:
             self._gathered.difference_update(fqns)
             try:
                 if modifier_rank is not None and flats:
+                    for layout in self._units_of(tiles):  # a tiled parameter's values back into its tiles
+                        for slot in layout.slots:
+                            flats[layout.name][slot.offset : slot.offset + slot.numel].copy_(
+                                self.params[slot.fqn].detach().reshape(-1)[slot.start : slot.start + slot.numel])
                     self._write_back(flats, modifier_rank)
             finally:
                 self.bind(force=True)
