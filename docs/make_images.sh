@@ -7,6 +7,8 @@
 # docs/memory-gpt-tiny.png `fxzero schedule --plot` of the same program
 # docs/wall.png            `fxzero wall` at #params=7.5e9&gpus=64 (the ZeRO paper's Table 1), as
 #                          Debian's chromium shows it (playwright; scripts/setup.sh installs both)
+# docs/schedule-explorer.png `fxzero schedule --html` of a 2-rank `fxzero train` of that GPT (2 steps)
+#                          above its ZeRO-2 compile, simulated, unit blocks.0 picked, in the same chromium
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -28,4 +30,23 @@ with sync_playwright() as p:
     tab.screenshot(path="docs/wall.png", full_page=True)
     browser.close()
 EOF
-echo "wrote docs/graph-gpt-tiny.svg docs/memory-gpt-tiny.png docs/wall.png"
+# The schedule explorer: a recorded ZeRO-3 run (A) above a ZeRO-2 compile (B), both simulated for this
+# kind of box (the page's Timeline choice shows A's ranks as measured).
+"$FXZERO" train 'gpt-tiny(n_blocks=2)' --ranks 2 --steps 2 -o "$work/train" >/dev/null 2>&1
+"$FXZERO" compile 'gpt-tiny(n_blocks=2)' --world 2 --stage 2 -o "$work/zero2" >/dev/null
+(cd "$work" && "$FXZERO" schedule --html explorer.html train zero2 >/dev/null)  # labelled A: train, B: zero2
+"$ROOT/.venv/bin/python" - "$work/explorer.html" <<'EOF'
+import pathlib, shutil, sys
+from playwright.sync_api import sync_playwright
+with sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+    tab = browser.new_page(viewport={"width": 1300, "height": 1160})
+    tab.goto(pathlib.Path(sys.argv[1]).as_uri() + "#preset=cpu-loopback&timeline=simulated&unit=blocks.0")
+    # Hover A's all-gather of blocks.0, so the picture shows a tooltip and the synced cursor.
+    where = tab.evaluate("FxzeroExplorer.locate(0, 'forward', FxzeroExplorer.data.runs[0].programs[0]"
+                         ".instructions.findIndex(i => i.kind === 'all_gather' && i.unit === 'blocks.0'))")
+    tab.mouse.move(where["x"], where["y"])
+    tab.screenshot(path="docs/schedule-explorer.png", full_page=False)
+    browser.close()
+EOF
+echo "wrote docs/graph-gpt-tiny.svg docs/memory-gpt-tiny.png docs/wall.png docs/schedule-explorer.png"
