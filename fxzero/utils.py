@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -65,25 +65,34 @@ def _bound(param: torch.Tensor, what: str) -> tuple[UserModule, str]:
     return found
 
 
-def _slot_view(binding: UserModule, fqn: str, flat: torch.Tensor) -> torch.Tensor:
-    _, slot = binding.slot[fqn]
-    return flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+def _slots(binding: UserModule, fqn: str) -> list:
+    """(layout, slot) of each unit holding `fqn`: its unit, or a tiled parameter's tiles in row
+    order ([Note: tiling] in `fxzero/passes/tile.py`)."""
+    units = set(binding.units_of[fqn])
+    return [(lay, s) for lay in binding.state.layouts if lay.name in units for s in lay.slots if s.fqn == fqn]
 
 
-def _gather_shard(binding: UserModule, fqn: str, shard: torch.Tensor) -> torch.Tensor:
-    """The parameter `fqn`'s full value from every rank's `shard` of its unit (a collective)."""
-    layout, _ = binding.slot[fqn]
-    comm = binding.comm
-    flat = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
-    comm.all_gather(flat, shard.contiguous(), count=False).wait()
-    return _slot_view(binding, fqn, flat)
+def _gather_shards(binding: UserModule, fqn: str, shard_of: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """The parameter `fqn`'s full value from every rank's shard `shard_of(layout)` of each unit
+    holding it (a collective per unit)."""
+    values: dict[str, torch.Tensor] = {}
+    for layout, slot in _slots(binding, fqn):
+        shard = shard_of(layout)
+        flat = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        binding.comm.all_gather(flat, shard.contiguous(), count=False).wait()
+        slot.read_into(flat, values)
+    return values[fqn]
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The parameter's full fp32 (master) value on every rank. A collective."""
     binding, fqn = _bound(param, "safe_get_full_fp32_param")
-    for _, flat in binding.gather([fqn], compute=False, what="safe_get_full_fp32_param"):
-        return _slot_view(binding, fqn, flat)
+    values: dict[str, torch.Tensor] = {}
+    for layout, flat in binding.gather([fqn], compute=False, what="safe_get_full_fp32_param"):
+        for slot in layout.slots:
+            if slot.fqn == fqn:
+                slot.read_into(flat, values)
+    return values[fqn]
 
 
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -92,7 +101,7 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     after step(). A collective."""
     binding, fqn = _bound(param, "safe_get_full_grad")
     state, engine = binding.state, binding.engine
-    layout, _ = binding.slot[fqn]
+    layout, _ = _slots(binding, fqn)[0]
     if engine is not None and engine._unreduced:
         raise RuntimeError(f"[rank {binding.comm.rank}] safe_get_full_grad between accumulation boundaries with "
                            "Config(gradient_accumulation='local'): the gradients are not reduced yet; read it after "
@@ -101,14 +110,19 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     present = binding.comm.all_gather_object(held is not None) if binding.comm.world_size > 1 else [held is not None]
     if not all(present):
         return None
-    if isinstance(held, Pending):
-        held = state.grads[layout.name] = held.wait()
-    if held.numel() == 0:  # on a tier ([Note: accumulating on a tier])
-        held = state.store.get("grad", layout.name)
-    if held.numel() == layout.padded_numel:  # a unit held whole keeps its gradient whole (ZeRO-1)
-        lo, hi = layout.shard_range(binding.comm.rank)
-        held = held[lo:hi]
-    grad = _gather_shard(binding, fqn, held.float())
+
+    def shard_of(layout) -> torch.Tensor:
+        held = state.grads[layout.name]
+        if isinstance(held, Pending):
+            held = state.grads[layout.name] = held.wait()
+        if held.numel() == 0:  # on a tier ([Note: accumulating on a tier])
+            held = state.store.get("grad", layout.name)
+        if held.numel() == layout.padded_numel:  # a unit held whole keeps its gradient whole (ZeRO-1)
+            lo, hi = layout.shard_range(binding.comm.rank)
+            held = held[lo:hi]
+        return held.float()
+
+    grad = _gather_shards(binding, fqn, shard_of)
     scaler = engine.control.scaler if engine is not None else None
     return grad.div_(scaler.scale) if scaler is not None else grad
 
@@ -127,33 +141,35 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     None before the first step. A collective."""
     binding, fqn, _ = _optimizer_state(param, optim_state_key, "safe_get_full_optimizer_state")
     state = binding.state
-    layout, _ = binding.slot[fqn]
+    layout, _ = _slots(binding, fqn)[0]
     if layout.name not in state.steps:
         return None
-    if state.store is not None and state.store.offloaded(optim_state_key):
-        shard = state.store.get(optim_state_key, layout.name)
-    else:
-        shard = state.optimizer_states[layout.name][optim_state_key]
-    return _gather_shard(binding, fqn, shard)
+    offloaded = state.store is not None and state.store.offloaded(optim_state_key)
+    return _gather_shards(binding, fqn, lambda layout: state.store.get(optim_state_key, layout.name) if offloaded
+                          else state.optimizer_states[layout.name][optim_state_key])
 
 
-def _install_full(binding: UserModule, fqn: str, value: torch.Tensor, what: str) -> torch.Tensor:
-    """The unit's full flat fp32 buffer with `value` in `fqn`'s place (a collective)."""
+def _install_full(binding: UserModule, fqn: str, value: torch.Tensor, what: str) -> dict[str, torch.Tensor]:
+    """Each unit holding `fqn` (one, or a tiled parameter's tiles): its full flat fp32 buffer with
+    `value`'s elements in `fqn`'s place (a collective)."""
     _, slot = binding.slot[fqn]
-    if tuple(value.shape) != slot.shape:
-        raise ValueError(f"{what}: the value has shape {tuple(value.shape)}, the parameter {slot.shape}")
-    for _, flat in binding.gather([fqn], compute=False, what=what):
-        flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
-        return flat
+    if tuple(value.shape) != slot.full_shape:
+        raise ValueError(f"{what}: the value has shape {tuple(value.shape)}, the parameter {slot.full_shape}")
+    flats = {}
+    for layout, flat in binding.gather([fqn], compute=False, what=what):
+        for s in layout.slots:
+            if s.fqn == fqn:
+                flat[s.offset : s.offset + s.numel].copy_(value.reshape(-1)[s.start : s.start + s.numel])
+        flats[layout.name] = flat
+    return flats
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the parameter's fp32 master to `value` (the same on every rank), and its compute-dtype
     copy from it. A collective."""
     binding, fqn = _bound(param, "safe_set_full_fp32_param")
-    flat = _install_full(binding, fqn, value, "safe_set_full_fp32_param")
-    layout, _ = binding.slot[fqn]
-    binding.state.install_unit(layout.name, lambda lo, hi: flat[lo:hi], binding.compute_dtype)
+    for unit, flat in _install_full(binding, fqn, value, "safe_set_full_fp32_param").items():
+        binding.state.install_unit(unit, lambda lo, hi, flat=flat: flat[lo:hi], binding.compute_dtype)
     binding.bind(force=True)
 
 
@@ -161,17 +177,17 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     """Set the parameter's optimizer state `optim_state_key` to `value` (the same on every rank)."""
     binding, fqn, policy = _optimizer_state(param, optim_state_key, "safe_set_full_optimizer_state")
     state = binding.state
-    layout, slot = binding.slot[fqn]
-    lo, hi = layout.shard_range(binding.comm.rank)
-    full = value.reshape(-1).to(state.state_dtype(layout.name))
     offloaded = state.store is not None and state.store.offloaded(optim_state_key)
-    shard = (state.store.get(optim_state_key, layout.name) if offloaded
-             else state.optimizer_state(layout.name, optim_state_key, policy.initial_value(optim_state_key)))
-    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-    if a < b:
-        shard[a - lo : b - lo].copy_(full[a - slot.offset : b - slot.offset])
-    if offloaded:
-        state.store.put(optim_state_key, layout.name, shard)
+    for layout, slot in _slots(binding, fqn):  # (a tiled parameter's tiles: each its rows)
+        lo, hi = layout.shard_range(binding.comm.rank)
+        full = value.reshape(-1)[slot.start : slot.start + slot.numel].to(state.state_dtype(layout.name))
+        shard = (state.store.get(optim_state_key, layout.name) if offloaded
+                 else state.optimizer_state(layout.name, optim_state_key, policy.initial_value(optim_state_key)))
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            shard[a - lo : b - lo].copy_(full[a - slot.offset : b - slot.offset])
+        if offloaded:
+            state.store.put(optim_state_key, layout.name, shard)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,

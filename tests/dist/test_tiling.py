@@ -9,6 +9,8 @@ the full shape (32768 x 4096, 512 MiB, max_bytes 64 MiB) and times it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -90,3 +92,57 @@ def test_tiled_head_trains_as_untiled_on_two_ranks_within_its_bound():
         largest_other = max(b for u, b in t_units.items() if u not in tiles)
         assert peak >= OUT * HIDDEN * 4, (rank, peak)
         assert t_peak <= MAX_BYTES + largest_other, (rank, t_peak, MAX_BYTES + largest_other)
+
+
+def _surfaces(rank: int, world_size: int, root: str):
+    """A tiled run's parameter, gradient and optimizer state as the user reads them, its checkpoint
+    loaded by an untiled engine and the untiled one's by a tiled engine, and its export."""
+    from fxzero.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    def engine(tiling):
+        torch.manual_seed(0)
+        return fxzero.compile(WideHead(), fxzero.Config(stage=3, tiling=tiling, cost_model=None))
+
+    tiled, plain = engine(fxzero.Tiling(max_bytes=MAX_BYTES)), engine(None)
+    out = {}
+    for name, e in (("tiled", tiled), ("plain", plain)):  # (one step: Adam's first update is sign(g) x lr)
+        x, y = _batches()[0]
+        e.backward(_loss(e(x[rank::world_size]), y[rank::world_size]))
+        w = e.module.head.weight
+        out[name] = {"shape": tuple(w.shape), "param": safe_get_full_fp32_param(w), "grad": safe_get_full_grad(w)}
+        e.step()
+        out[name].update(exp_avg=safe_get_full_optimizer_state(w, "exp_avg"), full=e.full_state_dict()["head.weight"],
+                         after=safe_get_full_fp32_param(w))
+        e.save_checkpoint(os.path.join(root, name), tag="t")
+    path = tiled.save_16bit_model(os.path.join(root, "export"))
+    exported = torch.load(path)["head.weight"] if path is not None else None
+    tiled_state = tiled.full_state_dict()
+    plain_state = plain.full_state_dict()
+    moved = {}
+    for name, e, source in (("into_plain", engine(None), "tiled"), ("into_tiled", engine(fxzero.Tiling(max_bytes=MAX_BYTES)), "plain")):
+        e.load_checkpoint(os.path.join(root, source), tag="t")
+        moved[name] = (e.full_state_dict(), safe_get_full_optimizer_state(e.module.head.weight, "exp_avg"))
+    return out, exported, tiled_state, plain_state, moved, {
+        "tiled": safe_get_full_optimizer_state(tiled.module.head.weight, "exp_avg"),
+        "plain": safe_get_full_optimizer_state(plain.module.head.weight, "exp_avg")}
+
+
+def test_a_tiled_parameter_keeps_its_name_and_shape_in_every_user_view(tmp_path):
+    for rank, (out, exported, tiled_state, plain_state, moved, exp_avg) in enumerate(
+            run_ranks(_surfaces, 2, str(tmp_path))):
+        t, p = out["tiled"], out["plain"]
+        assert t["shape"] == p["shape"] == (OUT, HIDDEN)
+        assert torch.equal(t["param"], p["param"])  # (the same initial values)
+        for key in ("grad", "exp_avg"):  # (the head's gradient is exact; upstream of it, 1e-6 of the scale)
+            assert t[key].shape == (OUT, HIDDEN), key
+            torch.testing.assert_close(t[key], p[key], rtol=0, atol=1e-6 * p[key].abs().max().item(), msg=key)
+        assert torch.equal(t["after"], t["full"])
+        if rank == 0:
+            assert torch.equal(exported, tiled_state["head.weight"])
+        # A checkpoint is keyed by the parameter, whole: tiled and untiled engines load each other's.
+        state, m = moved["into_plain"]
+        assert all(torch.equal(state[k], tiled_state[k]) for k in tiled_state)
+        assert torch.equal(m, exp_avg["tiled"])
+        state, m = moved["into_tiled"]
+        assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
+        assert torch.equal(m, exp_avg["plain"])

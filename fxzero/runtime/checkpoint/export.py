@@ -195,7 +195,8 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     compute = {lay.name: mp.param_dtype if mp is not None else lay.dtype for lay in layouts}
     persistent = set(module.state_dict(keep_vars=True))
     buffers = {fqn: b for fqn, b in state.buffers.items() if fqn in persistent}
-    declared = {slot.fqn: Entry(slot.fqn, compute[lay.name], tuple(slot.shape)) for lay in layouts for slot in lay.slots}
+    declared = {slot.fqn: Entry(slot.fqn, compute[lay.name], tuple(slot.full_shape)) for lay in layouts
+                for slot in lay.slots}
     declared.update({fqn: Entry(fqn, b.dtype, tuple(b.shape)) for fqn, b in buffers.items()})
     order = [fqn for fqn, _, _ in fmt.model_tensors(module, engine.layouts) if fqn in declared]  # the model's order
     path = os.path.join(save_dir, save_filename)
@@ -209,12 +210,16 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
                     if save_filename.endswith(".safetensors") else _TorchSave(path, order))
         except Exception as e:
             failure = e
+    tiled: dict[str, torch.Tensor] = {}  # a tiled parameter assembled from its tiles, written when whole
     for layout in layouts:  # every rank gathers every unit, even after rank 0 failed: no rank waits alone
         flat = _gathered(engine, layout, compute[layout.name])
         if sink is not None and failure is None:
             try:
                 for slot in layout.slots:
-                    sink.write(slot.fqn, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    if slot.param_shape is None:
+                        sink.write(slot.fqn, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    elif slot.start + slot.numel == slot.read_into(flat, tiled).numel():  # (its last tile)
+                        sink.write(slot.fqn, tiled.pop(slot.fqn))
             except Exception as e:
                 failure = e
         del flat

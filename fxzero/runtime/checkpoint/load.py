@@ -100,7 +100,8 @@ def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int,
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a < b:
-            reader.read_range(key_of(slot.fqn), a - slot.offset, b - slot.offset, out[a - lo : b - lo])
+            start = slot.start - slot.offset  # (a tile's elements are at its start in the whole parameter)
+            reader.read_range(key_of(slot.fqn), a + start, b + start, out[a - lo : b - lo])
     return out
 
 

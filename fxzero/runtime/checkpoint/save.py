@@ -225,7 +225,8 @@ def _per_slot(layout, rank: int, shard: torch.Tensor, write: Callable[[str, tupl
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a < b:
-            write(slot.fqn, slot.shape, shard[a - lo : b - lo], a - slot.offset)
+            # (a tile's elements are at its start in the whole parameter: [Note: tiling] in passes/tile.py)
+            write(slot.fqn, slot.full_shape, shard[a - lo : b - lo], a - slot.offset + slot.start)
 
 
 @torch.no_grad()
@@ -250,7 +251,8 @@ def _write_rank(engine, tmp: str) -> _Chunks:
             if layout.trainable:
                 step = torch.tensor(float(engine.state.steps.get(layout.name, 0)))
                 for slot in layout.slots:
-                    chunks.tensor(fmt.state_key(slot.fqn, "step"), (), step.reshape(1), 0)
+                    if slot.start == 0:  # (once for a tiled parameter)
+                        chunks.tensor(fmt.state_key(slot.fqn, "step"), (), step.reshape(1), 0)
         groups = _param_groups(engine)
         try:
             check_plain(groups, "the optimizer's param_groups")
@@ -266,7 +268,7 @@ def _param_groups(engine) -> list[dict]:
     members: dict[int, list[str]] = {}
     for layout in engine.layouts:
         for slot in layout.slots:
-            if layout.trainable:
+            if layout.trainable and slot.start == 0:  # (once for a tiled parameter)
                 members.setdefault(engine._group_of.get(slot.fqn, 0), []).append(slot.fqn)
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": members.get(i, [])}
             for i, g in enumerate(engine.optimizer.param_groups)]
@@ -304,10 +306,11 @@ def _metadata(engine, statuses: list, path: str) -> Metadata:
     shapes: dict[str, tuple[tuple, torch.dtype, str]] = {}  # key -> (shape, dtype, fqn)
     for layout in engine.layouts:
         for slot in layout.slots:
-            shapes[fmt.param_key(slot.fqn)] = (slot.shape, layout.dtype, slot.fqn)
+            shapes[fmt.param_key(slot.fqn)] = (slot.full_shape, layout.dtype, slot.fqn)
             if layout.trainable:
                 for kind in engine.optimizer.policy.states:
-                    shapes[fmt.state_key(slot.fqn, kind)] = (slot.shape, engine.state.state_dtype(layout.name), slot.fqn)
+                    shapes[fmt.state_key(slot.fqn, kind)] = (slot.full_shape, engine.state.state_dtype(layout.name),
+                                                             slot.fqn)
                 shapes[fmt.state_key(slot.fqn, "step")] = ((), torch.float32, slot.fqn)
     for fqn, value in engine.state.buffers.items():
         shapes[fmt.param_key(fqn)] = (tuple(value.shape), value.dtype, fqn)
