@@ -20,7 +20,9 @@ Each storage is said for what it is, from the recompute regions ([Note: recomput
 - "input" of a unit: made outside a region and read inside it (the previous block's output,
   the embeddings, positions): what `recompute="unit"` keeps of each unit;
 - "random" of a unit: made inside a region by a random operator (dropout, and attention, which
-  torch tags as random for its dropout): kept rather than replayed;
+  torch tags as random for its dropout) and kept, or the generator state kept to draw it again
+  in the backward (whichever is smaller: [Note: replaying random operators] in
+  `fxzero/ir/rng.py`);
 - "inside" of a unit: made inside a region and kept for another reason (a model's own
   checkpoint region's outputs, say);
 - "resident": everything else, outside any region or read by the root (counted for "root"): the
@@ -37,6 +39,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from fxzero.ir.rng import rng_state
 
 __all__ = ["ActivationCount", "SavedStorage", "count_saved", "estimate_activations", "megatron_per_layer",
            "transformer_shape"]
@@ -123,6 +127,10 @@ def _nbytes(node: fx.Node) -> int:
 
 
 def _random(node: fx.Node) -> bool:
+    """A random operator's draw, or the generator state kept to draw it again ([Note: replaying
+    random operators] in `fxzero/ir/rng.py`)."""
+    if node.target is rng_state:
+        return True
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

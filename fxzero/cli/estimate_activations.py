@@ -130,7 +130,8 @@ def print_activations(result: dict) -> None:
         if kinds["input"]:
             parts.insert(0, f"unit inputs {human_bytes(kinds['input'])} ({len(units)} units)")
         if kinds["random"]:
-            parts.insert(1, f"random draws kept {human_bytes(kinds['random'])} (dropout; attention, tagged random)")
+            parts.insert(1, f"random draws or their generator states kept {human_bytes(kinds['random'])} "
+                                "(dropout; attention, tagged random)")
         if kinds["inside"]:
             parts.insert(1, f"other kept inside units {human_bytes(kinds['inside'])}")
         click.echo(f"  recompute=\"{policy}\": {human_bytes(c['total'])}: " + ", ".join(parts))

@@ -32,6 +32,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxzero.ir.rng import STATE_BYTES, replay, rng_state
+from fxzero.ir.sizes import nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
 from fxzero.passes.recompute_cut import selective_cut
 from fxzero.passes.runner import Pass, PassContext, PassResult
@@ -116,19 +118,44 @@ def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     """[Note: recomputing a unit] A deterministic forward tensor computed inside a recompute
     region (a unit's module, a torch.utils.checkpoint call: [Note: recompute regions] in
     `fxzero/trace.py`) whose every forward use is inside the same region: the backward recomputes
-    it from the region's inputs. A value that leaves the region (the next one's input, an output
-    of the program) or a random operator's draw is kept."""
+    it from the region's inputs, a random operator's draw from the generator state kept for it
+    ([Note: replaying random operators] in `fxzero/ir/rng.py`). A value that leaves the region
+    (the next one's input, an output of the program) is kept."""
     if node in memo:
         return memo[node]
     scope = node.meta.get(_SCOPE)
     result = (node.op == "call_function" and scope is not None and phase(node) == FORWARD
-              and not _is_random(node) and not _is_size(node)
+              and not _is_size(node) and node.target is not rng_state and not _draw_smaller_than_state(node)
               and all(u.op == "call_function" and (phase(u) == BACKWARD or u.meta.get(_SCOPE) == scope)
                       for u in node.users))
     if result and node.target is operator.getitem:  # (an element of a tuple the unit made: recomputed with it)
         result = _interior(node.args[0], memo)
     memo[node] = result
     return result
+
+
+def _draw_smaller_than_state(node: fx.Node) -> bool:
+    """A random operator whose draw takes fewer bytes than the generator state replaying it would
+    (a tiny dropout on the CPU, whose state is 5056 bytes): keeping the draw is cheaper."""
+    if not _is_random(node):
+        return False
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    device = first.device.type if isinstance(first, torch.Tensor) else "cpu"
+    return nbytes(val) <= STATE_BYTES.get(device, 16)
+
+
+def _state_before(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """The forward node keeping the generator state `node` draws from ([Note: replaying random
+    operators] in `fxzero/ir/rng.py`): right before it, reading its inputs, in its region."""
+    with graph.inserting_before(node):
+        state = graph.call_function(rng_state, tuple(node.args), {"device": node.kwargs.get("device")})
+    val = node.meta.get("val")
+    device = (val[0] if isinstance(val, (tuple, list)) else val).device.type if val is not None else "cpu"
+    state.meta.update({"val": torch.empty(STATE_BYTES.get(device, 16), dtype=torch.uint8),
+                       _SCOPE: node.meta.get(_SCOPE)})
+    tag(state, phase=FORWARD)
+    return state
 
 
 def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.Node, bool]) -> bool:
@@ -173,6 +200,8 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
             args = {i: backward_copy(i, before) for i in node.all_input_nodes}
             with graph.inserting_before(before):
                 clone = graph.node_copy(node, lambda n: args[n])
+            if _is_random(node):  # (drawn again from the state the forward drew from)
+                clone.target, clone.args = replay, (_state_before(graph, node), node.target, *clone.args)
             clone.meta = {**node.meta, "fxzero": {**node.meta.get("fxzero", {}), "phase": BACKWARD}}
             clones[node] = clone
             recomputed += 1

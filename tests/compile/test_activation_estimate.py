@@ -64,12 +64,18 @@ def test_estimate_is_what_the_runtime_holds_after_the_forward(policy):
         assert est.saved_tensors > len(est.storages) and est.tensor_bytes != est.total
 
 
+STATE = torch.get_rng_state().numel()
+"""Bytes of the CPU generator's state, kept to draw a random operator again ([Note: replaying
+random operators] in fxzero/ir/rng.py) where that is smaller than the draw."""
+
+
 def test_unit_keeps_each_blocks_input_and_its_attention():
-    """Per block: its input (B, T, D), Megatron's full-recompute term, and attention's output and
-    log-sum-exp, drawn by an operator torch tags random and so kept ([Note: recomputing a unit])."""
+    """Per block: its input (B, T, D), Megatron's full-recompute term, and, for attention (an
+    operator torch tags random), its output and log-sum-exp or the generator state to draw them
+    again, whichever is smaller ([Note: recomputing a unit])."""
     est = _estimate("unit")
     block_input = B * T * D * 4
-    attention = B * T * D * 4 + B * HEADS * T * 4
+    attention = min(B * T * D * 4 + B * HEADS * T * 4, STATE)
     assert block_input == megatron_per_layer(T, B, D, HEADS, itemsize=4, recompute="unit")
     by_unit = est.by_unit()
     for name in ("blocks.0", "blocks.1"):
@@ -89,7 +95,7 @@ def test_one_more_layer_costs_megatrons_bytes_plus_row_statistics(policy):
         expected = megatron_per_layer(T, B, D, HEADS, itemsize=4, dropout=False, fused_attention=True) + rows
         assert expected == 16 * 4 * T * B * D + rows
     else:
-        expected = 2 * B * T * D * 4 + B * HEADS * T * 4
+        expected = B * T * D * 4 + min(B * T * D * 4 + B * HEADS * T * 4, STATE)
     assert added == expected
 
 
@@ -104,9 +110,10 @@ def test_megatron_formula_as_published():
 
 def test_a_model_with_dropout_keeps_its_masks_and_the_runtime_agrees():
     """Hugging Face GPT-2 with its dropouts (0.1), called by keyword with labels (the loss in the
-    program): under "unit" each block keeps, beside its input, what its three dropouts drew:
-    bernoulli masks in fp32 (4 bytes an element, where Megatron's formula counts 1), over the
-    attention scores (B, heads, T, T) and over the two residual branches (B, T, h), counted
+    program): under "unit" each block keeps, beside its input, for each of its three dropouts
+    the smaller of what it drew and the generator state to draw it again: bernoulli masks in fp32
+    (4 bytes an element, where Megatron's formula counts 1) over the attention scores (B, heads,
+    T, T) and over the two residual branches (B, T, h), each larger than the state, counted
     "random"; both policies equal the runtime."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
@@ -124,5 +131,6 @@ def test_a_model_with_dropout_keeps_its_masks_and_the_runtime_agrees():
         if policy == "unit":
             for block in ("transformer.h.0", "transformer.h.1"):
                 masks = sorted(s.nbytes for s in est.storages if s.unit == block and s.kind == "random")
-                assert masks == sorted([B * 4 * 32 * 32 * 4, B * 32 * 64 * 4, B * 32 * 64 * 4])
+                assert masks == sorted(min(m, STATE) for m in (B * 4 * 32 * 32 * 4, B * 32 * 64 * 4, B * 32 * 64 * 4))
+                assert masks == [STATE] * 3
             assert est.by_kind()["input"] == 2 * B * 32 * 64 * 4
