@@ -19,6 +19,9 @@ values are recomputed by the same operators on the same inputs, so they are equa
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional, Union
+
+from fxzero.config.placement import Cpu, Nvme
 
 __all__ = ["RECOMPUTE", "Activations"]
 
@@ -38,6 +41,21 @@ class Activations:
     operators recomputed, what is kept chosen by a minimum cut over bytes ([Note: selective
     recompute] in `fxzero/passes/recompute_cut.py`)."""
 
+    offload: Optional[Union[Cpu, Nvme]] = None
+    """Where saved activations the backward needs late wait between their last forward use and
+    their backward use: None keeps them in memory; `fxzero.Cpu()` (host memory: on a CPU rank
+    they are there already, so it changes nothing and says so) or `fxzero.Nvme(path=...)` (files,
+    written and read back ahead of use on the io stream; `write_behind_bytes` does not apply: a
+    copy in memory is what offloading avoids). Which tensors: [Note: activations on a tier] in
+    `fxzero/passes/offload_activations.py`; with `recompute="unit"`, of what each unit keeps."""
+    offload_min_bytes: int = 1 << 20
+    """With `offload`: saved tensors smaller than this stay in memory (a file and a call each, for little)."""
+
     def __post_init__(self) -> None:
+        if self.offload is not None and not isinstance(self.offload, (Cpu, Nvme)):
+            raise TypeError(f"Activations(offload=...) must be None, fxzero.Cpu() or fxzero.Nvme(path=...), "
+                            f"got {self.offload!r}")
+        if self.offload_min_bytes < 0:
+            raise ValueError(f"Activations(offload_min_bytes=...) must be >= 0, got {self.offload_min_bytes}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Activations(recompute=...) must be one of {RECOMPUTE}, got {self.recompute!r}")

@@ -11,7 +11,9 @@ import torch
 
 from fxzero.config.config import Config
 from fxzero.config.notices import IneffectiveSetting, SlowSetting, warn_ineffective, warn_once
-from fxzero.config.placement import Offload
+from fxzero.config.placement import Nvme, Offload
+
+_WRITE_BEHIND = Nvme.__dataclass_fields__["write_behind_bytes"].default
 
 __all__ = ["IneffectiveSetting", "SlowSetting", "ineffective_settings", "slow_settings", "warn_ineffective",
            "warn_once"]
@@ -56,6 +58,13 @@ def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initial
     if not tiers and config.offload.lookahead != Offload().lookahead:
         out.append(f"Offload.lookahead={config.offload.lookahead} has no effect: no state is offloaded "
                    "(set Offload(params=..., optimizer=...))")
+    offload = config.activations.offload
+    if offload is not None and offload.tier == "cpu" and not cuda:
+        out.append("Activations(offload=Cpu()) has no effect on a CPU rank: saved activations are in host memory "
+                   "already, so they stay resident; Nvme(path=...) moves them out of memory")
+    if offload is not None and offload.tier == "nvme" and offload.write_behind_bytes != _WRITE_BEHIND:
+        out.append(f"Activations(offload=Nvme(write_behind_bytes={offload.write_behind_bytes})) has no effect: saved "
+                   "activations are written to disk without a copy in memory (the copy is what offloading avoids)")
     if world_size == 1 and config.transport != "auto":
         out.append(f"Config.transport={config.transport!r} has no effect in a world of one: there are no "
                    "collectives to carry")

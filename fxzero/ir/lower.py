@@ -97,6 +97,8 @@ def instruction_of(node: fx.Node, layouts: dict[str, UnitLayout]) -> Instruction
         # reduce dtype, whatever the master's (the layout's) is.
         numel = layout.padded_numel
         size = numel * itemsize_of(node.args[0], layout.itemsize)  # its operand: the shard, the flat gradient
+    elif k in IO and meta.get("state") == "activation":  # a saved activation: its own size, no layout's
+        numel, size = value_size((node if k == "fetch" else node.args[0]).meta.get("val"))
     elif k in IO:
         numel = layout.shard_numel
         moved = node if k == "fetch" else node.args[0]

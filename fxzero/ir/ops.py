@@ -110,9 +110,10 @@ def _(
 
 
 @torch.library.custom_op(f"{_lib}::fetch", mutates_args=())
-def fetch(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def fetch(unit: str, state: str, numel: int, dtype: torch.dtype, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Start reading `unit`'s `state` ("param", "grad", an optimizer state such as "exp_avg")
-    shard, `numel` elements of `dtype`, from the storage tier it is offloaded to.
+    shard, `numel` elements of `dtype`, from the storage tier it is offloaded to. `after`: the
+    receipt of the write this reads (a saved activation's: which of its writes, and written first).
 
     The result may only be read after the matching `fxzero::wait`. Only the runtime knows the
     tiers, so there is no eager kernel.
@@ -124,7 +125,7 @@ def fetch(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor
 
 
 @fetch.register_fake
-def _(unit: str, state: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _(unit: str, state: str, numel: int, dtype: torch.dtype, after: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype)
 
 

@@ -9,6 +9,7 @@ from fxzero.passes import (
     insert_gather_free,
     insert_reduce_scatter,
     keep_for_backward,
+    offload_activations,
     offload_grads,
     offload_params,
     partition,
@@ -66,6 +67,9 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         passes.append(check_gradients.PASS)
     if "grad" in tiers:
         passes.append(offload_grads.make(tier=tiers["grad"], lookahead=lookahead))
+    if config.activations.offload is not None:  # saved activations on a tier ([Note: activations on a tier])
+        passes.append(offload_activations.make(tier=config.activations.offload.tier, cost_model=cost_model,
+                                               min_bytes=config.activations.offload_min_bytes))
     passes += [
         canonicalize.PASS,
         split.PASS,

@@ -75,7 +75,8 @@ def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ]
     for n in saved:
         root = alias_root(n)
-        assert n.meta.get("fxzero", {}).get("kept") or not is_kind(root, "wait", "unit"), (
+        receipt = is_kind(root, "wait") and is_kind(root.args[0], "offload")  # (an activation's, on its tier)
+        assert n.meta.get("fxzero", {}).get("kept") or receipt or not is_kind(root, "wait", "unit"), (
             f"internal error: forward value {n.name} aliases gathered parameters "
             f"({root.name}) and would be saved for backward"
         )

@@ -30,6 +30,7 @@ from fxzero._compat import maybe_mark_dynamic, pytree
 from fxzero.ir.instruction import Instruction
 from fxzero.ir.signature import flatten_call
 from fxzero.runtime import checkpoint
+from fxzero.runtime.activation_store import ActivationStore
 from fxzero.runtime.agreement import agree
 from fxzero.runtime.autograd import RunProgram, SavedActivations
 from fxzero.runtime.comm import Comm
@@ -94,6 +95,9 @@ class Engine:
         self._cache: collections.OrderedDict[Any, Runners] = collections.OrderedDict()  # (LRU, bounded)
         self._gathered = GatheredMemory()
         self._activations = SavedActivations()  # (counted by the autograd bridge, autograd.py)
+        offload = config.activations.offload  # saved activations on a tier (a CPU rank's cpu tier: where they are)
+        self._stash = (ActivationStore(offload, self.rank)
+                       if offload is not None and not (offload.tier == "cpu" and state.device.type == "cpu") else None)
         self._pool = BufferPool(device=state.device)  # per-unit buffers reused across units and steps (storage/pool.py)
         self._anchor = torch.empty(0, requires_grad=True)  # gives the forward's outputs a grad_fn
         self._record: Optional[list] = None  # the recorded timeline, while recording
@@ -214,8 +218,11 @@ class Engine:
         schedule, programs = compiled.schedule, compiled.programs
 
         def runner(name: str) -> ProgramRunner:
+            if self._stash is not None:
+                self._stash.reserve(f"{id(schedule)}/{name}", schedule.program(name).instructions)
             return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
-                                 self.store, update, pool=self._pool, flags=self.control.flags)
+                                 self.store, update, pool=self._pool, flags=self.control.flags,
+                                 activations=self._stash)
 
         sequence = collective_sequence(schedule) + self._update_collectives(schedule)
         key = (family, compiled.shapes)
@@ -450,6 +457,8 @@ class Engine:
         if self._no_sync:
             raise RuntimeError(f"[rank {self.rank}] step() inside engine.no_sync(): the gradients of the backwards "
                                "in it are not reduced yet; leave the block and run one more backward first")
+        if self._stash is not None:  # what a forward wrote that no backward read ([Note: activations on a tier, at run time])
+            self._stash.end_step()
         if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         boundary = self.control.boundary
@@ -692,18 +701,27 @@ class Engine:
         parameter buffers alive now and at most (`gathered`, `gathered_peak`), the state shards
         fetched from a tier and not yet released (`staged`, `staged_peak`), and the activations
         forwards keep for their backwards (`activations`, `activations_peak`: the storages held,
-        so fewer under `Activations(recompute="unit")`)."""
+        so fewer under `Activations(recompute="unit")`), and those written to a tier by
+        `Activations(offload=...)`, not counted in `activations` (`activations_cpu`, `activations_nvme`:
+        bytes on the tier now; `_peak`: the most at once; fetched back, they count in `staged`)."""
         g = self._gathered
+        on_tier = {f"activations_{t}{s}": 0 for t in ("cpu", "nvme") for s in ("", "_peak")}
+        if self._stash is not None:
+            on_tier[f"activations_{self._stash.tier_name}"] = self._stash.current
+            on_tier[f"activations_{self._stash.tier_name}_peak"] = self._stash.peak
         report = self.state.memory_report()
         unreduced = sum(t.numel() * t.element_size() for t in self._unreduced.values())
         return {**report, "unreduced_grads": unreduced, "model_states": report["model_states"] + unreduced,
                 "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak,
-                "activations": self._activations.current, "activations_peak": self._activations.peak}
+                "activations": self._activations.current, "activations_peak": self._activations.peak, **on_tier}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset
-        (empty when nothing is offloaded)."""
-        return self.store.report(reset) if self.store is not None else {}
+        (empty when nothing is offloaded); saved activations' tier under "activations"."""
+        report = self.store.report(reset) if self.store is not None else {}
+        if self._stash is not None:
+            report["activations"] = self._stash.report(reset)
+        return report
 
     def comm_report(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes sent per collective kind since the last reset."""
@@ -714,6 +732,8 @@ class Engine:
         self.state.settle_grads()
         if self.store is not None:
             self.store.close()
+        if self._stash is not None:
+            self._stash.close()
 
 
 DeepSpeedEngine = Engine

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from fxzero._compat import pytree
 from fxzero.ir.instruction import Instruction
+from fxzero.runtime.activation_store import ActivationStore
 from fxzero.runtime.comm import Comm, Pending
 from fxzero.runtime.storage.aligned import aligned_empty
 from fxzero.runtime.storage.offload_store import OffloadStore
@@ -163,12 +164,15 @@ class ProgramRunner:
         update: runs `optim_step` instructions (programs that update units).
         pool: per-unit buffers reused across units and steps.
         flags: where `check` instructions record non-finite gradients (shared by the engine).
+        activations: where saved activations go (programs with activation offloads and fetches).
     """
 
     def __init__(self, program: ProgramSchedule, gm: fx.GraphModule, comm: Comm, memory: GatheredMemory,
                  store: Optional[OffloadStore] = None, update: Optional[Update] = None,
-                 pool: Optional[BufferPool] = None, flags: Optional[GradientFlags] = None):
+                 pool: Optional[BufferPool] = None, flags: Optional[GradientFlags] = None,
+                 activations: Optional[ActivationStore] = None):
         self.program = program
+        self.activations = activations
         self.flags = flags if flags is not None else GradientFlags()
         self.comm = comm
         self.memory = memory
@@ -292,6 +296,8 @@ class ProgramRunner:
         return reduce_scatter
 
     def _fetch(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
+        if ins.state == "activation":  # [Note: activations on a tier, at run time] (activation_store.py)
+            return self._fetch_activation(ins)
         store = self._need_store(ins)
         dtype = getattr(torch, ins.dtype)
 
@@ -301,7 +307,25 @@ class ProgramRunner:
 
         return fetch
 
+    def _fetch_activation(self, ins: Instruction) -> Callable[[dict], Any]:
+        stash, (receipt,), dtype = self._need_activations(ins), ins.reads, getattr(torch, ins.dtype)
+
+        def fetch_activation(env: dict) -> Any:
+            self.memory.stage(ins.bytes)  # (counted with the fetched shards until its free)
+            return stash.read(env[receipt], ins.numel, dtype, self.pool)
+
+        return fetch_activation
+
+    def _need_activations(self, ins: Instruction) -> ActivationStore:
+        if self.activations is None:
+            raise RuntimeError(f"{ins.kind} {ins.name}: the program moves saved activations but no activation "
+                               "store was given")
+        return self.activations
+
     def _offload(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
+        if ins.state == "activation":
+            stash, (src,) = self._need_activations(ins), ins.reads
+            return lambda env: stash.write(ins, env[src])
         store = self._need_store(ins)
         (src,) = ins.reads
         if ins.state != "grad":

@@ -59,10 +59,11 @@ def ranks_per_host(comm) -> int:
     return sum(h == hosts[comm.rank] for h in hosts)
 
 
-def _nvme_dir(placement: Nvme, rank: int, index: int = 0) -> str:
+def _nvme_dir(placement: Nvme, rank: int, index: "int | str" = 0) -> str:
     """This rank's directory under the placement's path; `index` tells apart the directories of
     two placements on one path (DeepSpeed configs give offload_param and offload_optimizer the
-    same nvme_path, with different buffer counts: two tiers, one disk)."""
+    same nvme_path, with different buffer counts: two tiers, one disk; "activations": the saved
+    activations', `fxzero/runtime/activation_store.py`)."""
     if not os.path.isdir(placement.path):
         raise ValueError(
             f"[rank {rank}] Nvme(path={placement.path!r}): no such directory; create it (mkdir -p) "
@@ -88,7 +89,7 @@ def _nvme_dir(placement: Nvme, rank: int, index: int = 0) -> str:
 
 
 _OWNER = "owner.json"
-_RANK_DIR = re.compile(r"fxzero-rank\d+-\d+(-\d+)?")
+_RANK_DIR = re.compile(r"fxzero-rank\d+-\d+(-\d+|-activations\d*)?")
 
 
 def _host() -> str:

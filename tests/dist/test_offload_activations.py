@@ -1,0 +1,82 @@
+"""`Activations(offload=Nvme(...))` on 2 ranks at ZeRO-3, fp32 ([Note: activations on a tier] in
+`fxzero/passes/offload_activations.py`): a Hugging Face GPT-2 with its dropouts trains 10 steps
+bit for bit as the resident run does, with recompute "none" and "unit", with the same
+collectives; the bytes written to disk leave `memory_report()["activations"]` and show in
+`activations_nvme`; every file is gone once read and at the step's end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fxzero
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+STEPS = 10
+
+
+def _files(engine) -> list[str]:
+    """The activation files on this rank's directory now (`.fxz`: the NVMe store's)."""
+    return sorted(f for f in os.listdir(engine._stash._dir) if f.endswith(".fxz"))
+
+
+def _train(rank: int, recompute: str, nvme: str | None):
+    torch.manual_seed(0)
+    state = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG)).state_dict()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    offload = fxzero.Nvme(path=nvme) if nvme is not None else None
+    # (offload_min_bytes=0: this model's tensors are 1-64 KiB, under the 1 MiB default)
+    activations = fxzero.Activations(recompute=recompute, offload=offload, offload_min_bytes=0)
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None, activations=activations), state_dict=state)
+    torch.manual_seed(100 + rank)  # (each rank's dropout masks, alike in both runs)
+    losses, after_forward, files = [], [], []
+    for step in range(STEPS):
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        after_forward.append({k: v for k, v in engine.memory_report().items() if k.startswith("activations")})
+        if offload is not None:
+            files.append(len(_files(engine)))
+        engine.backward(out.loss)
+        if offload is not None:
+            files.append(len(_files(engine)))
+        engine.step()
+        losses.append(out.loss.item())
+    moved = {}
+    if offload is not None:
+        forward = engine.schedule.program("forward").instructions
+        moved = {"written": sum(i.bytes for i in forward if i.kind == "offload" and i.state == "activation"),
+                 "io": engine.io_report()["activations"]}
+    result = losses, engine.full_state_dict(), engine.comm_report(), after_forward, files, moved
+    engine.close()
+    return result
+
+
+def _runs(rank: int, world_size: int, nvme: str):
+    return {(recompute, on): _train(rank, recompute, nvme if on else None)
+            for recompute in ("none", "unit") for on in (False, True)}
+
+
+def test_nvme_activation_offload_trains_as_the_resident_run_on_two_ranks(tmp_path):
+    for rank, runs in enumerate(run_ranks(_runs, 2, str(tmp_path))):
+        for recompute in ("none", "unit"):
+            want, expected, traffic, resident, _, _ = runs[(recompute, False)]
+            got, state, offloaded_traffic, offloaded, files, moved = runs[(recompute, True)]
+            assert got == want, (rank, recompute)
+            assert all(torch.equal(state[k], expected[k]) for k in expected), (rank, recompute)
+            assert offloaded_traffic["all_gather"] == traffic["all_gather"]
+            assert offloaded_traffic == traffic
+            # After each forward: what went to disk is off the resident count, byte for byte.
+            for r, o in zip(resident, offloaded):
+                assert r["activations_nvme"] == 0 and o["activations_nvme"] == moved["written"] > 0
+                assert o["activations"] == r["activations"] - moved["written"], (rank, recompute)
+            # One file per offloaded tensor after the forward, none after the backward.
+            assert files[0::2] == [files[0]] * STEPS and files[0] > 0 and files[1::2] == [0] * STEPS
+            io = moved["io"]
+            assert io["write"]["bytes"] == io["read"]["bytes"] == STEPS * moved["written"]
