@@ -1,15 +1,15 @@
 """Activation recompute side by side: the 25M zoo GPT at long sequence, resident against
-`Activations(recompute="unit")`, on 2 CPU ranks.
+`Activations(recompute="unit")` and `"selective"`, on 2 CPU ranks.
 
     .venv/bin/python tools/recompute_memory.py --seq 1024 --batch 4 --rounds 2
 
-One invocation runs the two policies alternately (resident, unit, resident, unit, ...), each in
+One invocation runs the policies alternately (resident, unit, selective, resident, ...), each in
 fresh rank processes (torchrun, gloo, one thread per rank), the same model, data and steps. Each
 run prints, per rank: the median step time of the timed steps, peak RSS (VmHWM), the activation
 bytes the forward keeps for the backward (the compiled program's saved tensors by storage, as
 `memory_report()["activations"]` counts them: `fxzero.activation_estimate.count_saved`;
 `kept_gathered_bytes` apart: gathered parameters the prefetch keeps for the backward) and the
-losses; the last line compares the policies (unit / resident) by medians over rounds. Losses must
+losses; the last line compares each policy with the resident one (P / resident) by medians over rounds. Losses must
 be equal bit for bit (recompute changes where values are computed, not their arithmetic).
 """
 
@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-POLICIES = ("none", "unit")
+POLICIES = ("none", "unit", "selective")
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                        help="which to run (default both; a long sequence the resident run cannot fit: unit)")
+                        help="which to run (default all; a long sequence the resident run cannot fit: unit)")
     args = parser.parse_args()
     if args.rank_main:
         return rank_main(args)
@@ -109,13 +109,14 @@ def main() -> None:
         return statistics.median(max(line[key] for line in ranks) for ranks in results[policy])
 
     summary = {"event": "summary"}
+    others = [p for p in args.policies if p != "none"] if "none" in args.policies else []
     for key in ("median_step_s", "peak_rss_bytes", "kept_bytes"):
         summary[key] = {p: median(p, key) for p in args.policies}
-        if len(args.policies) == 2:
-            summary[key]["unit_over_resident"] = summary[key]["unit"] / summary[key]["none"]
-    if len(args.policies) == 2:  # (each rank's losses, resident against unit, round by round)
-        summary["losses_equal"] = all(a["losses"] == b["losses"]
-                                      for ra, rb in zip(results["none"], results["unit"]) for a, b in zip(ra, rb))
+        for p in others:
+            summary[key][f"{p}_over_resident"] = summary[key][p] / summary[key]["none"]
+    for p in others:  # (each rank's losses against the resident run's, round by round)
+        summary[f"{p}_losses_equal"] = all(a["losses"] == b["losses"]
+                                           for ra, rb in zip(results["none"], results[p]) for a, b in zip(ra, rb))
     print(json.dumps(summary))
 
 
