@@ -203,3 +203,19 @@ def test_tiling_config_is_checked():
         fxzero.Tiling(max_bytes=0)
     with pytest.raises(TypeError, match="Config.tiling must be a fxzero.Tiling"):
         fxzero.Config(tiling=64 << 20)
+
+
+def test_mixed_precision_tiles_by_the_gathered_dtype_and_a_forward_only_program_tiles_too():
+    mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16)
+    # bf16 gathers 512 KiB of head: over MAX_BYTES // 2 = 256 KiB, 4 tiles of 128 KiB (256 rows each).
+    compiled = _compile(_config(max_bytes=MAX_BYTES // 2, mixed_precision=mp))
+    validate(compiled.schedule)
+    tiles = [u for u in compiled.layouts if ":tile" in u.name]
+    assert len(tiles) == 4 and all(u.dtype == torch.float32 and u.slots[0].shape == (256, 256) for u in tiles)
+    gathers = [x for x in compiled.schedule.program("forward").instructions if x.kind == "all_gather" and ":tile" in x.unit]
+    assert [x.bytes for x in gathers] == [256 * 256 * 2] * 4  # (the bf16 copy is what is gathered)
+    torch.manual_seed(0)
+    evaluation = fxzero.compile_program(WideHead(), [torch.randn(2, 8, 16)], _config(), world_size=2, forward_only=True)
+    validate(evaluation.schedule)
+    assert sorted(x.unit for x in evaluation.schedule.program("forward").instructions
+                  if x.kind == "all_gather" and ":tile" in x.unit) == [f"head.weight:tile{i}" for i in range(4)]
