@@ -7,6 +7,8 @@
 # docs/memory-gpt-tiny.png `fxzero schedule --plot` of the same program
 # docs/wall.png            `fxzero wall` at #params=7.5e9&gpus=64 (the ZeRO paper's Table 1), as
 #                          Debian's chromium shows it (playwright; scripts/setup.sh installs both)
+# docs/site-{home,guide,api}.png  the documentation site's home, the FSDP2 guide and the Config
+#                          reference, built by mkdocs and shown in the same chromium
 # docs/schedule-explorer.png `fxzero schedule --html` of a 2-rank `fxzero train` of that GPT (2 steps)
 #                          above its ZeRO-2 compile, simulated, unit blocks.0 picked, in the same chromium
 set -euo pipefail
@@ -49,4 +51,21 @@ with sync_playwright() as p:
     tab.screenshot(path="docs/schedule-explorer.png", full_page=False)
     browser.close()
 EOF
+# The documentation site as a reader sees it: its home, a guide and an API page, built from the
+# docs/ above (mkdocs build --strict) and shown in the same chromium.
+NO_MKDOCS_2_WARNING=1 "$ROOT/.venv/bin/mkdocs" build --strict --quiet --site-dir "$work/site"
+"$ROOT/.venv/bin/python" - "$work/site" <<'EOF'
+import pathlib, shutil, sys
+from playwright.sync_api import sync_playwright
+site = pathlib.Path(sys.argv[1])
+with sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+    tab = browser.new_page(viewport={"width": 1280, "height": 900})
+    for page, png in (("index.html", "site-home"), ("guides/fsdp2.html", "site-guide"),
+                      ("reference/config.html", "site-api")):
+        tab.goto((site / page).as_uri())
+        tab.screenshot(path=f"docs/{png}.png")
+    browser.close()
+EOF
+echo "wrote docs/site-home.png docs/site-guide.png docs/site-api.png"
 echo "wrote docs/graph-gpt-tiny.svg docs/memory-gpt-tiny.png docs/wall.png docs/schedule-explorer.png"
