@@ -78,8 +78,8 @@ class Config:
     `Activations(recompute="unit")` each unit's inputs, its forward recomputed in the backward
     ([Note: recomputing a unit] in `fxzero/config/activations.py`)."""
     tiling: Optional[Tiling] = None
-    """ZeRO-3: compute each Linear whose gathered weight exceeds `Tiling.max_bytes` as tiles of
-    output rows, each gathered, used and freed on its own (memory-centric tiling; docs/tiling.md);
+    """ZeRO-3: compute each Linear or Embedding whose gathered weight exceeds `Tiling.max_bytes` as
+    tiles of its weight's rows, each gathered, used and freed on its own (memory-centric tiling; docs/tiling.md);
     None: every operator's weight is gathered whole."""
     gradient_accumulation_steps: Optional[int] = None
     """Micro-steps per optimizer step: `engine.step()` updates at every n-th call; the gradients of

@@ -1,7 +1,8 @@
 """`Tiling`: memory-centric tiling, ZeRO-Infinity's answer to an operator too wide to gather whole.
 
-A Linear whose gathered weight is larger than `max_bytes` (a wide projection, an LM head) is
-computed as tiles of its output features, one after another, forward and backward: each tile's
+A Linear or Embedding whose gathered weight is larger than `max_bytes` (a wide projection, an LM
+head, a large vocabulary's table, tied or not) is computed as tiles of its weight's rows (output
+features, table rows), one after another, forward and backward: each tile's
 rows of the weight are their own sharded unit, gathered, used and freed before the next tile's,
 so the operator never holds more than `max_bytes` of its weight gathered (the tile computing and
 the one prefetched). No model edit is needed (DeepSpeed's `TiledLinear` replaces the module);
@@ -18,11 +19,11 @@ __all__ = ["Tiling"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tiling:
-    """Split each Linear whose gathered weight exceeds `max_bytes` into tiles of output rows."""
+    """Split each Linear or Embedding whose gathered weight exceeds `max_bytes` into tiles of rows."""
 
     max_bytes: int
-    """The most bytes of one operator's weight gathered at once: a Linear whose weight (in the
-    dtype it computes in) is larger is tiled by rows into tiles of at most `max_bytes // 2` bytes,
+    """The most bytes of one operator's weight gathered at once: a Linear or Embedding whose weight
+    (in the dtype it computes in) is larger is tiled by rows into tiles of at most `max_bytes // 2` bytes,
     so the tile computing and the one prefetched together stay within `max_bytes`."""
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ from fxzero.ir.ops import OPS
 from fxzero.ir.alias import alias_closure
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, last_user, phase, positions, tag
 from fxzero.passes.runner import Pass, PassContext, PassResult
+from fxzero.passes.tile_plan import is_tile
 
 REQUIRES = frozenset({"units_partitioned", "phases"})
 PROVIDES = frozenset({"params_gathered"})
@@ -56,14 +57,24 @@ def _gather_before(graph: fx.Graph, unit_node: fx.Node, first: fx.Node, which: s
     return start, done
 
 
+def _use_groups(unit_node: fx.Node, which: str, layout) -> list[list[fx.Node]]:
+    """The unit's readers in phase `which`, grouped by gather: all of them, but a tile is gathered
+    once per operator reading it ([Note: tiling] in `passes/tile.py`: a tied embedding and LM head
+    gather each tile at the lookup and again at the head, not across the whole forward)."""
+    users = _users_in(unit_node, which)
+    if not is_tile(layout):
+        return [users]
+    pos = positions(unit_node.graph)
+    return [[u] for u in sorted(users, key=pos.__getitem__)]
+
+
 def insert_gather_free_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     world = ctx.world_size
     gathers = 0
     for unit_node in [n for n in graph.nodes if _is_sharded_unit(n)]:
         layout = ctx.layout(unit_node.meta["fxzero"]["unit"])
-        for which in (FORWARD, BACKWARD):
-            users = _users_in(unit_node, which)
+        for which, users in [(w, group) for w in (FORWARD, BACKWARD) for group in _use_groups(unit_node, w, layout)]:
             if not users:
                 continue
             pos = positions(graph)

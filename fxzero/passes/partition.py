@@ -49,11 +49,13 @@ def _contiguous_stride(shape: tuple[int, ...]) -> list[int]:
     return list(reversed(stride))
 
 
-def _plan(gm: fx.GraphModule, ctx: PassContext) -> dict[tuple[str, int], fx.Node]:
+def _plan(gm: fx.GraphModule, ctx: PassContext) -> dict[tuple[str, int], list[fx.Node]]:
     """Map each parameter (FQN, first element: a tile's, [Note: tiling] in `passes/tile.py`) to its
-    placeholder, checking the layouts cover them exactly."""
-    by_fqn = {(n.meta["fxzero"]["fqn"], n.meta["fxzero"].get("start", 0)): n
-              for n in gm.graph.nodes if _is_param_placeholder(n)}
+    placeholders (a tile has one per operator reading it), checking the layouts cover them exactly."""
+    by_fqn: dict[tuple[str, int], list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if _is_param_placeholder(n):
+            by_fqn.setdefault((n.meta["fxzero"]["fqn"], n.meta["fxzero"].get("start", 0)), []).append(n)
     in_layouts = {(s.fqn, s.start) for layout in ctx.layouts for s in layout.slots}
     if set(by_fqn) != in_layouts:
         missing, extra = sorted(set(by_fqn) - in_layouts), sorted(in_layouts - set(by_fqn))
@@ -81,12 +83,11 @@ def partition_pass(gm: fx.GraphModule, ctx: PassContext, *, persistent: frozense
             unit_nodes.append(graph.placeholder(unit_placeholder_name(layout.name)))
     for layout, unit_node in zip(ctx.layouts, unit_nodes):
         tag(unit_node, kind="unit", unit=layout.name, sharded=layout.name not in persistent)
-        some_val = by_fqn[layout.slots[0].fqn, layout.slots[0].start].meta.get("val")
+        some_val = by_fqn[layout.slots[0].fqn, layout.slots[0].start][0].meta.get("val")
         if some_val is not None:  # the dtype the graph computes in (mixed precision: not the master's)
             with some_val.fake_mode:
                 unit_node.meta["val"] = torch.empty(layout.padded_numel, dtype=some_val.dtype)
-        for slot in layout.slots:
-            old = by_fqn[slot.fqn, slot.start]
+        for slot, old in [(s, old) for s in layout.slots for old in by_fqn[s.fqn, s.start]]:
             if old.users:
                 # The view goes right before the parameter's first use, so that a gather
                 # inserted before it later lands where the unit is first needed.

@@ -1,5 +1,8 @@
 """tile: compute an operator too wide to gather whole as tiles of its weight's rows.
 
+A Linear's matmuls (below) and an Embedding's lookups are tiled; a weight tied between the two
+(an LM head sharing its embedding's table) is tiled for both.
+
 Before (`head.weight`, out x in, one parameter of unit `root:tail`)::
 
     w = placeholder[param head.weight]
@@ -16,10 +19,18 @@ After (tiles of rows [0, r), [r, 2r), ...; each its own unit `head.weight:tile<i
     gw0 = mm(t(g)[0:r], x);        gw1 = mm(t(g)[r:2r], x)
     return [..., [gw0, gw1], ...]                  # one gradient per tile, in row order
 
-Partition then makes each tile a view of its own unit's buffer, and insert_gather_free gathers
-each tile before its use and frees it after, per phase: the tiles are visible nodes, each with
-its own all_gather / wait / free, in `fxzero graph`. The pass runs first, on the traced graph's
-parameter placeholders, so every later pass sees tiles as ordinary parameters of ordinary units.
+An embedding lookup `e = embedding(w, ids)` becomes, per tile, `embedding(w_i, clamp(ids - a_i))`
+selected by `where(a_i <= ids < b_i, ..., previous)`; its gradient `embedding_dense_backward(g,
+ids, ...)`, per tile, the same on `g` zeroed where an id is outside the tile (which adds zeros to a
+row: no value changes). A tied weight's gradient, the sum of both, is summed per tile in the same
+order.
+
+Each operator reading the weight gets its own tile placeholders; partition makes each a view of
+its tile's unit, and insert_gather_free gathers a tile once per operator reading it (an ordinary
+unit: once per phase) and frees it after: a tied table is gathered tile by tile at the lookup and
+again at the head, never held across the forward. The tiles are visible nodes, each with its own
+all_gather / wait / free, in `fxzero graph`. The pass runs first, on the traced graph's parameter
+placeholders, so every later pass sees tiles as ordinary parameters of ordinary units.
 
 [Note: tiling]
 Sharding. A tile must be gathered on its own, moving only its bytes, so it is sharded on its
@@ -46,126 +57,31 @@ differently for a narrower matrix, which is why the parity tests allow 1e-6). Th
 gradient, g @ w, reduces over the output features, which the tiles split: it is the sum over
 tiles of g[:, rows] @ w[rows], accumulated in tile order (addmm), so its additions happen in
 another order than one GEMM's: equal within float rounding (1e-6 relative in fp32), not bit for
-bit.
+bit. Lookups select rows, so an embedding's tiles are exact, forward and backward.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from fxzero._compat import pytree
-from fxzero.config import Tiling
-from fxzero.config.notices import warn_ineffective
-from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
+from fxzero.ir.layout import ParamSlot
 from fxzero.ir.tags import is_kind, output_node
 from fxzero.passes.runner import Pass, PassContext, PassResult
+from fxzero.passes.tile_plan import TILE_SUFFIX, is_tile, plan_tiles
 
 __all__ = ["PASS", "TILE_SUFFIX", "is_tile", "plan_tiles", "tile_pass"]
 
 REQUIRES: frozenset[str] = frozenset()
 PROVIDES = frozenset({"tiled"})
 
-TILE_SUFFIX = ":tile"
-"""Tile units are named `<parameter FQN>:tile<i>`."""
-
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 """matmul op -> positions of its (left, right) matrix operands."""
-
-
-def is_tile(layout: UnitLayout) -> bool:
-    """Whether a unit holds one tile of a tiled parameter."""
-    return any(s.param_shape is not None for s in layout.slots)
-
-
-# -- plan: which weights are tiled, and their units ------------------------------------------------
-
-def _tiled_linears(model: nn.Module, layouts: list[UnitLayout], tiling: Tiling, itemsize: Optional[int]):
-    """(module FQN, module, weight slot's unit, slot) of each Linear whose weight is over the bound."""
-    where = {s.fqn: (lay, s) for lay in layouts for s in lay.slots}
-    largest, out = ("", 0), []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        fqn = f"{name}.weight" if name else "weight"
-        nbytes = module.weight.numel() * (itemsize or module.weight.dtype.itemsize)
-        largest = max(largest, (fqn, nbytes), key=lambda x: x[1])
-        if nbytes <= tiling.max_bytes:
-            continue
-        if fqn not in where:  # tied: its unique name is another module's (an LM head tied to its embedding)
-            warn_ineffective([f"Tiling(max_bytes={tiling.max_bytes}): {name} ({nbytes} bytes of weight) is not "
-                              "tiled: its weight is tied to another module's, which uses it in other operators "
-                              "(an embedding); untie it to tile it"])
-            continue
-        out.append((name, module, *where[fqn]))
-    return out, largest
-
-
-def _rows(name: str, module: nn.Linear, tiling: Tiling, itemsize: Optional[int]) -> list[tuple[int, int]]:
-    rows, cols = module.weight.shape
-    row_bytes = cols * (itemsize or module.weight.dtype.itemsize)
-    if row_bytes > tiling.tile_bytes:
-        raise ValueError(
-            f"Tiling(max_bytes={tiling.max_bytes}): operator {name or 'the model'} (Linear {cols} -> {rows}) "
-            f"has rows of {row_bytes} bytes, and a tile is at least one row and at most max_bytes // 2 = "
-            f"{tiling.tile_bytes} bytes (the tile computing and the one prefetched share max_bytes): "
-            f"set Tiling(max_bytes={2 * row_bytes}) or more")
-    per = tiling.tile_bytes // row_bytes
-    count = math.ceil(rows / per)
-    per = math.ceil(rows / count)  # (even tiles: the same count, the last not left small)
-    return [(a, min(a + per, rows)) for a in range(0, rows, per)]
-
-
-def plan_tiles(model: nn.Module, layouts: list[UnitLayout], tiling: Optional[Tiling], *, stage: int,
-               itemsize: Optional[int]) -> list[UnitLayout]:
-    """The layouts with each tiled weight taken out of its unit and split into tile units of its
-    rows, placed right after that unit ([Note: tiling]).
-
-    Args:
-        itemsize: bytes per element of what the forward gathers (mixed precision's compute dtype);
-            None: the model's own dtype.
-
-    Raises:
-        ValueError: if a weight's row alone is more than a tile may hold.
-    """
-    if tiling is None:
-        return layouts
-    if stage != 3:
-        warn_ineffective([f"Config.tiling has no effect at stage {stage}: every rank holds whole parameters, "
-                          "nothing is gathered per operator; use stage=3"])
-        return layouts
-    found, (largest, largest_bytes) = _tiled_linears(model, layouts, tiling, itemsize)
-    if not found:
-        warn_ineffective([f"Tiling(max_bytes={tiling.max_bytes}) has no effect: no Linear's gathered weight is "
-                          f"larger (the largest: {largest or 'none'}, {largest_bytes} bytes); lower max_bytes or "
-                          "drop Config.tiling"])
-        return layouts
-    tiles_of = {slot.fqn: (name, module, slot) for name, module, _, slot in found}
-    out: list[UnitLayout] = []
-    for layout in layouts:
-        kept = [s for s in layout.slots if s.fqn not in tiles_of]
-        if kept:
-            slots, offset = [], 0
-            for s in kept:
-                slots.append(dataclasses.replace(s, offset=offset))
-                offset += s.numel
-            out.append(dataclasses.replace(layout, slots=tuple(slots)))
-        for s in layout.slots:
-            if s.fqn not in tiles_of:
-                continue
-            name, module, _ = tiles_of[s.fqn]
-            cols = math.prod(s.shape[1:])
-            for i, (a, b) in enumerate(_rows(name, module, tiling, itemsize)):
-                piece = ParamSlot(s.fqn, (b - a, *s.shape[1:]), 0, (b - a) * cols, start=a * cols, param_shape=s.shape)
-                out.append(UnitLayout(f"{s.fqn}{TILE_SUFFIX}{i}", (piece,), layout.dtype, layout.world_size,
-                                      layout.trainable))
-    return out
 
 
 # -- apply: rewrite the operators ------------------------------------------------------------------
@@ -191,8 +107,8 @@ class _Builder:
 
 
 def _uses(weight: fx.Node, fqn: str) -> list[tuple[fx.Node, int, bool]]:
-    """(matmul, operand position, transposed) of every matmul reading the weight through
-    transposes; any other reader is an error naming it."""
+    """(operator, operand position, transposed) of every matmul reading the weight through
+    transposes, and every embedding looking it up; any other reader is an error naming it."""
     out, stack = [], [(weight, False)]
     while stack:
         node, transposed = stack.pop()
@@ -202,11 +118,15 @@ def _uses(weight: fx.Node, fqn: str) -> list[tuple[fx.Node, int, bool]]:
             elif user.target in _MATMULS and not user.kwargs and user.args.count(node) == 1 \
                     and user.args.index(node) in _MATMULS[user.target]:
                 out.append((user, user.args.index(node), transposed))
+            elif user.target is aten.embedding.default and user.args[0] is node and not transposed \
+                    and not user.kwargs and not any(user.args[3:5]):
+                out.append((user, 0, False))
             else:
                 raise ValueError(
                     f"Config.tiling: {fqn} is read by {user.target} ({user.name}), which fxzero cannot tile (it "
-                    "tiles a Linear's matmuls: mm, addmm and transposes of the weight); drop Config.tiling, or "
-                    "raise Tiling.max_bytes above this weight's bytes so it is gathered whole")
+                    "tiles a Linear's matmuls, transposes of its weight, and an Embedding's lookups without "
+                    "scale_grad_by_freq or sparse); drop Config.tiling, or raise Tiling.max_bytes above this "
+                    "weight's bytes so it is gathered whole")
     return out
 
 
@@ -253,32 +173,59 @@ def _tile_matmul(graph: fx.Graph, mm: fx.Node, position: int, transposed: bool, 
     graph.erase_node(mm)
 
 
-def _tile_gradient(graph: fx.Graph, grad: fx.Node, fqn: str, rows: list[tuple[int, int]]) -> list[fx.Node]:
-    """The weight's gradient (g^T @ x under transposes) as one gradient per tile of rows."""
-    node, transposed = grad, False
+def _local(b: _Builder, ids: fx.Node, rows: tuple[int, int]) -> tuple[fx.Node, fx.Node]:
+    """Which ids fall in the tile's rows, and each id as a row of the tile (clamped into it)."""
+    a, c = rows
+    inside = b(aten.logical_and.default, b(aten.ge.Scalar, ids, a), b(aten.lt.Scalar, ids, c))
+    return b(aten.unsqueeze.default, inside, -1), b(aten.clamp.default, b(aten.sub.Scalar, ids, a), 0, c - a - 1)
+
+
+def _tile_embedding(graph: fx.Graph, emb: fx.Node, pieces: list[fx.Node], rows: list[tuple[int, int]]) -> None:
+    """Replace a lookup in the weight by one lookup per tile, each row taken from the tile that
+    holds it (a selection: equal bit for bit)."""
+    b = _Builder(graph, emb, emb)
+    ids = emb.args[1]
+    out: Optional[fx.Node] = None
+    for piece, r in zip(pieces, rows):
+        inside, local = _local(b, ids, r)
+        found = b(aten.embedding.default, piece, local)
+        out = b(aten.where.ScalarOther, inside, found, 0.0) if out is None else b(aten.where.self, inside, found, out)
+    emb.replace_all_uses_with(out)
+    graph.erase_node(emb)
+
+
+def _grad_tiles(b: _Builder, node: fx.Node, fqn: str, rows: list[tuple[int, int]]) -> list[fx.Node]:
+    """A gradient of the weight (g^T @ x under transposes, an embedding's backward, or a tied
+    weight's sum of those) as one gradient per tile of rows."""
+    transposed = False
     while node.target is aten.t.default:
         node, transposed = node.args[0], not transposed
+    if node.target is aten.add.Tensor and not node.kwargs and not transposed:  # a tied weight's: per tile, in order
+        x, y = (_grad_tiles(b, arg, fqn, rows) for arg in node.args)
+        return [b(aten.add.Tensor, p, q) for p, q in zip(x, y)]
+    if node.target is aten.embedding_dense_backward.default and not transposed and not node.args[4]:
+        g, ids, _, pad, _ = node.args
+        out = []
+        for a, c in rows:  # ids outside the tile add zeros to a row of it: no value changes
+            inside, local = _local(b, ids, (a, c))
+            out.append(b(aten.embedding_dense_backward.default, b(aten.where.ScalarOther, inside, g, 0.0), local,
+                         c - a, pad - a if a <= pad < c else -1, False))
+        return out
     if node.target is not aten.mm.default:
-        raise ValueError(f"Config.tiling: the gradient of {fqn} is computed by {node.target} ({node.name}), not "
-                         "one matmul, so fxzero cannot tile it; drop Config.tiling, or raise Tiling.max_bytes "
-                         "above this weight's bytes")
+        raise ValueError(f"Config.tiling: the gradient of {fqn} is computed by {node.target} ({node.name}), which "
+                         "fxzero cannot tile; drop Config.tiling, or raise Tiling.max_bytes above this weight's bytes")
     a, c = node.args
-    b = _Builder(graph, grad.next, node)
-    out = []
-    for r in rows:
-        if transposed:  # grad = t(a @ c): its rows are c's columns
-            out.append(b(aten.t.default, b(aten.mm.default, a, _slice(b, c, 1, r))))
-        else:
-            out.append(b(aten.mm.default, _slice(b, a, 0, r), c))
-    return out
+    if transposed:  # grad = t(a @ c): its rows are c's columns
+        return [b(aten.t.default, b(aten.mm.default, a, _slice(b, c, 1, r))) for r in rows]
+    return [b(aten.mm.default, _slice(b, a, 0, r), c) for r in rows]
 
 
-def _piece_placeholders(graph: fx.Graph, weight: fx.Node, slots: list[ParamSlot]) -> list[fx.Node]:
+def _piece_placeholders(graph: fx.Graph, weight: fx.Node, slots: list[ParamSlot], op: fx.Node) -> list[fx.Node]:
     val = weight.meta.get("val")
     pieces = []
     with graph.inserting_after(weight):
         for s in reversed(slots):
-            p = graph.placeholder(f"{weight.name}_rows_{s.start // math.prod(s.shape[1:])}")
+            p = graph.placeholder(f"{weight.name}_{op.name}_rows_{s.start // math.prod(s.shape[1:])}")
             p.meta["fxzero"] = {**weight.meta["fxzero"], "start": s.start}
             if val is not None:
                 with val.fake_mode:
@@ -308,12 +255,16 @@ def tile_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         rows = [(s.start // cols, s.start // cols + s.shape[0]) for s in slots]
         weight = weights[fqn]
         uses = _uses(weight, fqn)
-        pieces = _piece_placeholders(graph, weight, slots)
-        for mm, position, transposed in uses:
-            _tile_matmul(graph, mm, position, transposed, pieces, rows)
+        for op, position, transposed in uses:
+            pieces = _piece_placeholders(graph, weight, slots, op)  # (per operator: each gathers its tiles)
+            if op.target is aten.embedding.default:
+                _tile_embedding(graph, op, pieces, rows)
+            else:
+                _tile_matmul(graph, op, position, transposed, pieces, rows)
         count += len(uses) * len(slots)
         if fqn in grads and isinstance(results[grads[fqn]], fx.Node):
-            tile_grads = _tile_gradient(graph, results[grads[fqn]], fqn, rows)
+            grad = results[grads[fqn]]
+            tile_grads = _grad_tiles(_Builder(graph, grad.next, grad), grad, fqn, rows)
             results[grads[fqn]] = tile_grads  # (a list: kept alive until insert_reduce_scatter reads it)
             for s, g in zip(slots, tile_grads):
                 ctx.outputs.setdefault("tile_grads", {})[(fqn, s.start)] = g
@@ -323,7 +274,7 @@ def tile_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for fqn in tiles:
         if not weights[fqn].users:
             graph.erase_node(weights[fqn])
-    return PassResult(gm, changed=True, summary={"tiled_parameters": len(tiles), "tile_matmuls": count,
+    return PassResult(gm, changed=True, summary={"tiled_parameters": len(tiles), "tile_operators": count,
                                                  "tiles": sum(len(s) for s in tiles.values())})
 
 

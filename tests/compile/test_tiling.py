@@ -174,8 +174,8 @@ def test_a_bound_below_two_rows_is_an_error_naming_the_operator_and_the_fix():
 
 
 def test_a_bound_no_operator_exceeds_warns_once_that_it_has_no_effect():
-    with pytest.warns(IneffectiveSetting, match=r"Tiling\(max_bytes=1073741824\) has no effect: no Linear's "
-                                                r"gathered weight is larger \(the largest: head.weight, 1048576 bytes\)"):
+    with pytest.warns(IneffectiveSetting, match=r"Tiling\(max_bytes=1073741824\) has no effect: no Linear's or "
+                                                r"Embedding's gathered weight is larger \(the largest: head.weight, 1048576 bytes\)"):
         layouts = plan_layouts(WideHead(), _config(max_bytes=1 << 30), world_size=2)
     assert not any(":tile" in u.name for u in layouts)
     with warnings.catch_warnings():
@@ -219,3 +219,67 @@ def test_mixed_precision_tiles_by_the_gathered_dtype_and_a_forward_only_program_
     validate(evaluation.schedule)
     assert sorted(x.unit for x in evaluation.schedule.program("forward").instructions
                   if x.kind == "all_gather" and ":tile" in x.unit) == [f"head.weight:tile{i}" for i in range(4)]
+
+
+class TiedLM(nn.Module):
+    """An embedding and an LM head sharing one 1024 x 64 weight (256 KiB), a small block between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1024, 64, padding_idx=3)
+        self.block = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 1024, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(ids)))
+
+
+def test_a_tied_embedding_and_head_tile_together_and_compute_the_untied_values():
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.randint(0, 1024, (2, 16))
+    ids[0, :3] = 3  # (the padding row gets no gradient)
+    config = _config(max_bytes=128 << 10)  # tiles of 64 KiB: 4 tiles of 256 rows
+    layouts = plan_layouts(model, config, world_size=2)
+    assert [u.name for u in layouts if ":tile" in u.name] == [f"emb.weight:tile{i}" for i in range(4)]
+    traced = trace_joint(model, [ids])
+    g = torch.randn(2, 16, 1024)
+    plain = _run_joint(traced.gm, model, ids, g)
+    tiled_gm = tile_pass(copy.deepcopy(traced.gm), PassContext(layouts=layouts, signature=traced.signature,
+                                                               world_size=2)).gm
+    tiled_gm.recompile()
+    tiled = _run_joint(tiled_gm, model, ids, g)
+    assert torch.equal(tiled[0], plain[0])  # lookups are selections, the head's columns the same dot products
+    fqns = traced.signature.trainable_fqns
+    grads, tiled_grads = dict(zip(fqns, plain[1:])), dict(zip(fqns, tiled[1:]))
+    # The tied weight's gradient is the head's rows plus the lookups' rows; the lookups' part comes
+    # through the head's input gradient (a reordered sum), so all of it is within 1e-6 of its scale.
+    tiled_grads["emb.weight"] = torch.cat(tiled_grads["emb.weight"])
+    for fqn in ("emb.weight", "block.0.weight", "block.0.bias"):
+        scale = grads[fqn].abs().max().item()
+        torch.testing.assert_close(tiled_grads[fqn], grads[fqn], rtol=0, atol=1e-6 * scale, msg=fqn)
+    compiled = fxzero.compile_program(model, [ids], config, world_size=2)
+    validate(compiled.schedule)
+
+
+def test_an_embedding_tiles_its_lookups_and_its_gradient_bit_for_bit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1024, 64, padding_idx=300), nn.Linear(64, 8))
+    ids = torch.randint(0, 1024, (2, 16))
+    ids[0, :3] = 300  # (the padding row, in tile 1, gets no gradient)
+    ids[1, :4] = 5  # (a row looked up four times: its gradient sums them in the same order)
+    layouts = plan_layouts(model, _config(max_bytes=128 << 10), world_size=2)
+    ctx = PassContext(layouts=layouts, signature=None, world_size=2)
+    traced = trace_joint(model, [ids])
+    ctx.signature = traced.signature
+    g = torch.randn(2, 16, 8)
+    plain = _run_joint(traced.gm, model, ids, g)
+    tiled_gm = tile_pass(copy.deepcopy(traced.gm), ctx).gm
+    tiled_gm.recompile()
+    tiled = _run_joint(tiled_gm, model, ids, g)
+    assert torch.equal(tiled[0], plain[0])
+    grads, tiled_grads = dict(zip(traced.signature.trainable_fqns, plain[1:])), dict(zip(traced.signature.trainable_fqns, tiled[1:]))
+    assert len(tiled_grads["0.weight"]) == 4
+    assert torch.equal(torch.cat(tiled_grads["0.weight"]), grads["0.weight"])
+    assert not grads["0.weight"][300].any()

@@ -75,7 +75,7 @@ def test_tiled_head_losses_under_adamw_equal_untiled_within_1e_6():
 
 def test_tiled_head_trains_as_untiled_on_two_ranks_within_its_bound():
     for rank, (plain, tiled) in enumerate(run_ranks(_both, 2, fxzero.SGD(lr=0.1))):
-        losses, full, module_state, peak, units = plain
+        losses, full, _, peak, _ = plain
         t_losses, t_full, t_module_state, t_peak, t_units = tiled
         # The head's weight is 16 tiles of 256 rows (1 MiB each: max_bytes // 2), each its own unit.
         tiles = sorted(u for u in t_units if u.startswith("head.weight:tile"))
@@ -146,3 +146,44 @@ def test_a_tiled_parameter_keeps_its_name_and_shape_in_every_user_view(tmp_path)
         state, m = moved["into_tiled"]
         assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
         assert torch.equal(m, exp_avg["plain"])
+
+
+class TiedLM(nn.Module):
+    """A GPT-style tied embedding and LM head, 4096 x 256 (4 MiB), around a small block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 256)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 256))])
+        self.head = nn.Linear(256, 4096, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(h + self.blocks[0](h))
+
+
+def _tied(rank: int, world_size: int):
+    g = torch.Generator().manual_seed(2)
+    batches = [(ids[:, :-1], ids[:, 1:]) for ids in (torch.randint(0, 4096, (4, 9), generator=g) for _ in range(STEPS))]
+    out = {}
+    for name, tiling in (("plain", None), ("tiled", fxzero.Tiling(max_bytes=1 << 20))):
+        torch.manual_seed(0)
+        engine = fxzero.compile(TiedLM(), fxzero.Config(stage=3, tiling=tiling, optimizer=fxzero.SGD(lr=0.1),
+                                                        cost_model=None))
+        losses = train(engine, batches, _loss, rank, world_size)
+        units = {u.name: u.padded_numel * u.itemsize for u in engine.layouts}
+        out[name] = losses, engine.full_state_dict(), engine.memory_report()["gathered_peak"], units
+    return out
+
+
+def test_a_tied_embedding_and_lm_head_train_tiled_as_untiled_on_two_ranks():
+    for rank, out in enumerate(run_ranks(_tied, 2)):
+        losses, full, _, _ = out["plain"]
+        t_losses, t_full, t_peak, t_units = out["tiled"]
+        assert sorted(u for u in t_units if ":tile" in u) == [f"emb.weight:tile{i}" for i in range(8)]
+        torch.testing.assert_close(torch.tensor(t_losses), torch.tensor(losses), rtol=1e-6, atol=0)
+        for key in full:
+            torch.testing.assert_close(t_full[key], full[key], rtol=0, atol=1e-6, msg=key)
+        assert t_full["head.weight"] is t_full["emb.weight"] or torch.equal(t_full["head.weight"], t_full["emb.weight"])
+        assert t_peak <= (1 << 20) + max(b for u, b in t_units.items() if ":tile" not in u)
