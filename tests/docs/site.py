@@ -84,9 +84,19 @@ def copy_site_sources(dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
+def no_network() -> list[str]:
+    """A command prefix that runs its command with no network (a new network namespace, `unshare
+    -n`, where this machine lets us make one: as root, as CI runs), else nothing."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
+        return [unshare, "-n"]
+    return []
+
+
 def build(root: pathlib.Path, site_dir: pathlib.Path) -> subprocess.CompletedProcess:
-    """`mkdocs build --strict` of the sources under `root` into `site_dir`: offline, warnings are errors."""
+    """`mkdocs build --strict` of the sources under `root` into `site_dir`: offline where
+    `no_network()` can make it so, warnings are errors."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHONPATH=str(root))
-    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(root / "mkdocs.yml"),
-           "--site-dir", str(site_dir)]
+    cmd = [*no_network(), sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+           str(root / "mkdocs.yml"), "--site-dir", str(site_dir)]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)

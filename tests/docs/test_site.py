@@ -6,6 +6,7 @@ sources and the build must fail naming it."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
@@ -29,6 +30,13 @@ def test_every_page_in_the_nav_is_built(site):
                  "reference/config.html", "reference/engine.html", "reference/cli.html", "benchmarks.html",
                  "deepspeed_config.html", "faults.html", "activations.html", "changelog.html"):
         assert (site / page).is_file(), page
+
+
+def test_the_site_reads_offline(site):
+    """No page loads a font, style or script from another host (the theme's web fonts are off)."""
+    for page in site.rglob("*.html"):
+        remote = re.findall(r'<(?:link|script)[^>]+(?:href|src)="(https?://[^"]+)"', page.read_text())
+        assert not remote, (page.relative_to(site), remote)
 
 
 def test_the_api_reference_shows_the_fields_docstrings(site):
