@@ -73,6 +73,16 @@ def test_the_changelog_page_is_the_changelog(site):
     assert first[3:].split()[0] in (site / "changelog.html").read_text()
 
 
+def test_the_readmes_links_name_files_that_exist():
+    """The README is read on the repository's page, not built: its relative links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    relative = [t for t in targets if "://" not in t]
+    assert len(relative) >= 10, relative  # the walker finds them
+    missing = [t for t in relative if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
 def _plant(tmp_path: pathlib.Path, page: str, text: str) -> str:
     root = copy_site_sources(tmp_path / "src")
     with open(root / "docs" / page, "a") as f:
