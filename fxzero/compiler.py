@@ -63,8 +63,9 @@ def _tiled(model: nn.Module, config: Config, layouts: list[UnitLayout]) -> list[
 def recompute_scopes(model: nn.Module, config: Config, forward_only: bool = False) -> tuple[str, ...]:
     """The unit modules whose forward the backward recomputes ([Note: recomputing a unit]):
     every module the units policy makes a unit, under `Activations(recompute="unit")` and
-    `"selective"` ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`)."""
-    if config.activations.recompute == "none" or forward_only:
+    `"selective"` ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`), and where a
+    memory budget chooses ([Note: planning activations under a budget])."""
+    if (config.activations.recompute == "none" and config.activations.memory_budget is None) or forward_only:
         return ()
     modules = dict(model.named_modules())
     return tuple(lay.name for lay in plan_units(model, config.units, 1) if lay.name in modules and lay.name)

@@ -51,6 +51,14 @@ class Activations:
     offload_min_bytes: int = 1 << 20
     """With `offload`: saved tensors smaller than this stay in memory (a file and a call each, for little)."""
 
+    memory_budget: Optional[int] = None
+    """Bytes of activations a rank may hold between its forward and its backward
+    (`memory_report()["activations"]` after a forward): the compiler chooses for every saved
+    tensor among keeping it, recomputing it in the backward and, with `offload`, moving it to the
+    tier, at the least added step time the cost model predicts ([Note: planning activations
+    under a budget] in `fxzero/passes/activation_budget.py`). It chooses what to recompute
+    itself: leave `recompute` at "none". Needs a cost model (`Config.cost_model`)."""
+
     def __post_init__(self) -> None:
         if self.offload is not None and not isinstance(self.offload, (Cpu, Nvme)):
             raise TypeError(f"Activations(offload=...) must be None, fxzero.Cpu() or fxzero.Nvme(path=...), "
@@ -59,3 +67,10 @@ class Activations:
             raise ValueError(f"Activations(offload_min_bytes=...) must be >= 0, got {self.offload_min_bytes}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Activations(recompute=...) must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.memory_budget is not None:
+            if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
+                raise ValueError(f"Activations(memory_budget=...) must be a positive number of bytes, "
+                                 f"got {self.memory_budget!r}")
+            if self.recompute != "none":
+                raise ValueError(f"Activations(memory_budget=...) chooses what to recompute itself; "
+                                 f"recompute={self.recompute!r} would overrule it: leave recompute at 'none'")

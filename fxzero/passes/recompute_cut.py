@@ -28,7 +28,7 @@ recomputed as always (no source edge reaches them). Random operators' draws are 
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import networkx as nx
 import torch.fx as fx
@@ -36,7 +36,7 @@ import torch.fx as fx
 from fxzero.ir.sizes import flops, nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, phase
 
-__all__ = ["Cut", "selective_cut"]
+__all__ = ["Cut", "cut", "selective_cut"]
 
 
 class Cut:
@@ -62,24 +62,38 @@ def selective_cut(graph: fx.Graph, interior: Callable[[fx.Node], bool],
                   param_only: Callable[[fx.Node], bool]) -> Cut:
     """The minimum cut of [Note: selective recompute] over `graph`'s forward, `interior` telling
     the unit rule's candidates and `param_only` the values recomputed from parameters."""
+    return cut(graph, param_only, recompute_cost=lambda n: 0 if interior(n) and not _costly(n) else None,
+               keep_cost=lambda n: nbytes(n.meta.get("val")), costly=lambda n: interior(n) and _costly(n))
+
+
+def cut(graph: fx.Graph, param_only: Callable[[fx.Node], bool], *,
+        recompute_cost: Callable[[fx.Node], Optional[int]], keep_cost: Callable[[fx.Node], int],
+        costly: Callable[[fx.Node], bool] = lambda n: False) -> Cut:
+    """A minimum cut over `graph`'s forward ([Note: selective recompute]): `recompute_cost(v)` is
+    what recomputing v costs (None: it cannot be), `keep_cost(v)` what keeping it costs, both
+    integers; values derived from parameters alone are free. The cut's value is the least total
+    of the two over every way the backward can have what it reads."""
     g = nx.DiGraph()
-    candidates, costly = set(), set()
+    candidates, costly_kept = set(), set()
     for node in graph.nodes:
         if node.op == "output" or phase(node) != FORWARD:
             continue
         if param_only(node):
             continue  # (always available in the backward, at no cost: no edges needed)
-        if interior(node) and not _costly(node):
-            candidates.add(node)
-        else:
-            if interior(node):
-                costly.add(node)
+        price = recompute_cost(node) if node.op == "call_function" else None
+        if price is None:
             g.add_edge("source", (node, "in"))
+            if costly(node):
+                costly_kept.add(node)
+        else:
+            candidates.add(node)
+            if price > 0:
+                g.add_edge("source", (node, "in"), capacity=price)
         tuple_valued = isinstance(node.meta.get("val"), (tuple, list))
         if tuple_valued:
             g.add_edge((node, "in"), (node, "out"))  # (a tuple is kept by its elements, never whole)
         else:
-            g.add_edge((node, "in"), (node, "out"), capacity=nbytes(node.meta.get("val")))
+            g.add_edge((node, "in"), (node, "out"), capacity=keep_cost(node))
         for inp in node.all_input_nodes:
             if phase(inp) == FORWARD and (inp, "out") in g:
                 g.add_edge((inp, "out"), (node, "in"))
@@ -90,9 +104,9 @@ def selective_cut(graph: fx.Graph, interior: Callable[[fx.Node], bool],
             if (inp, "out") in g:
                 g.add_edge((inp, "out"), "sink")
     if "sink" not in g or "source" not in g:
-        return Cut(set(), set(), costly)
+        return Cut(set(), set(), costly_kept)
     _, (forward_side, backward_side) = nx.minimum_cut(g, "source", "sink")
     recomputed = {n for n in candidates if (n, "in") in backward_side}
     kept = {n for n in g.nodes if isinstance(n, tuple) and n[1] == "in" and n in forward_side
             and (n[0], "out") in backward_side}
-    return Cut(recomputed, {n for n, _ in kept}, costly)
+    return Cut(recomputed, {n for n, _ in kept}, costly_kept)

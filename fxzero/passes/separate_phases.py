@@ -35,8 +35,10 @@ import torch.fx as fx
 from fxzero.ir.rng import STATE_BYTES, replay, rng_state
 from fxzero.ir.sizes import nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
+from fxzero.passes.activation_budget import plan_recompute
 from fxzero.passes.recompute_cut import selective_cut
 from fxzero.passes.runner import Pass, PassContext, PassResult
+from fxzero.passes.streaming import compute_seconds
 
 REQUIRES = frozenset({"units_partitioned"})
 PROVIDES = frozenset({"phases"})
@@ -164,10 +166,13 @@ def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.N
     return _param_only(node, memo) or _interior(node, interior)
 
 
-def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = "unit") -> PassResult:
+def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = "unit", budget: int | None = None,
+                         cost_model=None, tier: str | None = None) -> PassResult:
     """`recompute`: how a recompute region's interior is recomputed: "unit", all of it; "selective",
-    what a minimum cut chooses ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`).
-    A program without regions recomputes only values derived from parameters, whatever it says."""
+    what a minimum cut chooses ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`);
+    with `budget`, what the planner chooses for that many bytes, priced by `cost_model`, `tier`
+    where it may offload the rest ([Note: planning activations under a budget]). A program
+    without regions recomputes only values derived from parameters, whatever it says."""
     graph = gm.graph
     forward = _forward_set(graph, ctx)
     for node in graph.nodes:
@@ -186,9 +191,16 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
         return _can_recompute(node, memo, interior)
 
     cut = None
-    if recompute == "selective":
+    if budget is not None:  # ([Note: planning activations under a budget] in activation_budget.py)
+        on_cpu = all(v.device.type == "cpu" for v in (n.meta.get("val") for n in graph.nodes)
+                     if isinstance(v, torch.Tensor))
+        cut = plan_recompute(graph, budget=budget, seconds=compute_seconds(graph, {lay.name: lay for lay in ctx.layouts},
+                                                                           cost_model),
+                             tier=None if tier == "cpu" and on_cpu else tier, cost_model=cost_model,
+                             interior=lambda n: _interior(n, interior), param_only=lambda n: _param_only(n, memo))
+    elif recompute == "selective":
         cut = selective_cut(graph, lambda n: _interior(n, interior), lambda n: _param_only(n, memo))
-
+    if cut is not None:
         def recomputable(node: fx.Node) -> bool:  # noqa: F811 (the cut's choice replaces the unit rule)
             return node.op == "call_function" and (_param_only(node, memo) or node in cut.recomputed)
 
@@ -225,9 +237,10 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
 PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)
 
 
-def make(recompute: str = "none") -> Pass:
-    """The pass for an `Activations(recompute=...)` policy."""
-    if recompute != "selective":
+def make(recompute: str = "none", budget: int | None = None, cost_model=None, tier: str | None = None) -> Pass:
+    """The pass for an `Activations(recompute=..., memory_budget=...)` policy."""
+    if recompute != "selective" and budget is None:
         return PASS
-    return Pass("separate_phases", functools.partial(separate_phases_pass, recompute=recompute),
+    return Pass("separate_phases", functools.partial(separate_phases_pass, recompute=recompute, budget=budget,
+                                                     cost_model=cost_model, tier=tier),
                 requires=REQUIRES, provides=PROVIDES)

@@ -1,0 +1,185 @@
+"""Activations under a memory budget: each saved tensor kept, recomputed or offloaded.
+
+[Note: planning activations under a budget]
+`Activations(memory_budget=B)` bounds the bytes of activations a rank holds between its forward
+and its backward (`memory_report()["activations"]` after a forward) by B, at the least added
+step time the cost model predicts. Each value the backward reads is kept in memory, recomputed
+in the backward (any operator of a unit's interior, matmuls too, random ones replayed: [Note:
+recomputing a unit]), or, with `Activations(offload=...)`, written to the tier and read back
+([Note: activations on a tier] in `offload_activations.py`). Two steps, one per pass:
+
+1. Recompute (in `separate_phases`): for a price of memory, lambda nanoseconds per byte,
+   the minimum cut of [Note: selective recompute] with keeping v costing lambda * bytes(v) and
+   recomputing v its predicted time chooses what to recompute; a larger lambda recomputes more.
+   The planner tries the lambdas at which some value's choice can flip (each candidate's
+   recompute time over its bytes, at most `LAMBDAS` of them) and 0 (recompute nothing) and
+   infinity (everything a unit's interior holds), and for each predicts the step's added time:
+   the recompute time, plus, for the bytes still over the budget, the offload's writes and
+   reads beyond the forward's and the backward's compute they hide behind (infinite without a
+   tier). It takes the least; recompute-only and offload-only are among the candidates (every
+   lambda with nothing offloaded; lambda 0), so the plan is predicted no slower than either.
+2. Offload (`plan_offload`, before `offload_activations`): of the tensors still saved, the
+   fewest seconds of exposed transfer per byte go to the tier until what stays fits.
+
+A budget nothing meets (what the largest lambda keeps, with nothing offloaded or all that can
+be) is an error at compile time naming the least the program can keep. Both steps are in the
+pass trace (`budget_*` figures of `separate_phases`, `plan_offload`'s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from fxzero.ir.alias import alias_root
+from fxzero.ir.instruction import Instruction
+from fxzero.ir.rng import STATE_BYTES
+from fxzero.ir.sizes import nbytes
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, phase
+from fxzero.passes.offload_activations import PLACEMENT, saved_tensors
+from fxzero.passes.recompute_cut import cut
+from fxzero.passes.runner import Pass, PassContext, PassResult
+
+__all__ = ["LAMBDAS", "BudgetError", "BudgetPlan", "make_plan_offload", "plan_offload", "plan_recompute"]
+
+LAMBDAS = 24
+"""Most prices of memory tried between 0 and infinity (quantiles of the candidates' own)."""
+
+_INFINITE = 10 ** 6
+"""Nanoseconds per byte past any recompute's price: every candidate is recomputed."""
+
+
+class BudgetError(ValueError):
+    """A memory budget the program cannot meet."""
+
+
+@dataclasses.dataclass
+class BudgetPlan:
+    """What step 1 chose, and what it predicted ([Note: planning activations under a budget])."""
+
+    price_ns_per_byte: float
+    recomputed: set[fx.Node]
+    kept_bytes: int
+    recompute_s: float
+    offload_bytes: int
+    offload_exposed_s: float
+    tried: int
+
+    def summary(self) -> dict:
+        return {"budget_price_ns_per_byte": self.price_ns_per_byte, "budget_recomputed": len(self.recomputed),
+                "budget_kept_bytes": self.kept_bytes, "budget_recompute_s": self.recompute_s,
+                "budget_offload_bytes": self.offload_bytes, "budget_offload_exposed_s": self.offload_exposed_s,
+                "budget_prices_tried": self.tried}
+
+
+def _kept_bytes(nodes) -> int:
+    """Bytes of the storages `nodes` hold (a view and its base once), as the runtime counts them."""
+    roots = {}
+    for n in nodes:
+        if isinstance(n.meta.get("val"), (tuple, list)) or n.meta.get("fxzero", {}).get("kept"):
+            continue
+        root = alias_root(n)
+        roots[root] = max(roots.get(root, 0), nbytes(root.meta.get("val")), nbytes(n.meta.get("val")))
+    return sum(roots.values())
+
+
+def _state_bytes(node: fx.Node) -> int:
+    """Bytes kept to replay `node` if it is a random operator ([Note: replaying random operators])."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return 0
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    return STATE_BYTES.get(first.device.type if isinstance(first, torch.Tensor) else "cpu", 16)
+
+
+def _transfer_s(cost_model, tier: str, kind: str, n: int) -> float:
+    return cost_model.io_seconds(Instruction(name="", kind=kind, stream="io", tier=tier, bytes=n))
+
+
+def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float], tier: Optional[str],
+                   cost_model, interior: Callable[[fx.Node], bool],
+                   param_only: Callable[[fx.Node], bool]) -> BudgetPlan:
+    """Step 1 of [Note: planning activations under a budget]."""
+    ns = {n: max(1, round(seconds.get(n, 0.0) * 1e9)) for n in graph.nodes}
+    forward_s = sum(s for n, s in seconds.items() if phase(n) == FORWARD)
+    backward_s = sum(s for n, s in seconds.items() if phase(n) == BACKWARD)
+    candidates = [n for n in graph.nodes if n.op == "call_function" and interior(n) and nbytes(n.meta.get("val"))]
+    ratios = sorted({ns[n] / nbytes(n.meta["val"]) for n in candidates})
+    step = max(1, len(ratios) // LAMBDAS)
+    prices = [0.0] + ratios[::step] + [float(_INFINITE)]
+
+    def recompute_cost(n: fx.Node) -> Optional[int]:
+        return ns[n] if interior(n) else None
+
+    best, least = None, None
+    for price in prices:
+        chosen = cut(graph, param_only, recompute_cost=recompute_cost,
+                     keep_cost=lambda n, price=price: int(price * nbytes(n.meta.get("val"))))
+        kept = _kept_bytes(chosen.kept) + sum(_state_bytes(n) for n in chosen.recomputed)
+        recompute_s = sum(seconds.get(n, 0.0) for n in chosen.recomputed)
+        over = max(0, kept - budget)
+        if over and tier is None:
+            exposed = float("inf")
+        else:
+            exposed = (max(0.0, _transfer_s(cost_model, tier, "offload", over) - forward_s)
+                       + max(0.0, _transfer_s(cost_model, tier, "fetch", over) - backward_s)) if over else 0.0
+        plan = BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices))
+        if least is None or kept < least.kept_bytes:
+            least = plan
+        if exposed != float("inf") and (best is None or recompute_s + exposed < best.recompute_s + best.offload_exposed_s):
+            best = plan
+    if best is None:
+        raise BudgetError(
+            f"Activations(memory_budget={budget}) cannot be met by recompute alone: the least this program can "
+            f"keep for its backward is {least.kept_bytes} bytes per rank (every unit's interior recomputed). "
+            "Raise memory_budget, or let the planner offload too: Activations(offload=fxzero.Nvme(path=...))")
+    return best
+
+
+def make_plan_offload(*, budget: int, tier: str, cost_model) -> Pass:
+    """Step 2 of [Note: planning activations under a budget], as a pass before `offload_activations`."""
+    return Pass("plan_offload", functools.partial(plan_offload, budget=budget, tier=tier, cost_model=cost_model),
+                requires=frozenset({"phases"}), provides=frozenset({"activations_planned"}))
+
+
+def saved_values(graph: fx.Graph) -> list[fx.Node]:
+    """The forward's values the backward reads (parameters and the gathered buffers kept for the
+    backward apart: they are model state, counted elsewhere)."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "output" or phase(n) != FORWARD or is_kind(n, "unit"):
+            continue
+        if any(u.op != "output" and phase(u) == BACKWARD for u in n.users):
+            out.append(n)
+    return out
+
+
+def plan_offload(gm: fx.GraphModule, ctx: PassContext, *, budget: int, tier: str, cost_model) -> PassResult:
+    held = _kept_bytes(saved_values(gm.graph))
+    rows = saved_tensors(gm, ctx, tier=tier, cost_model=cost_model)
+    if tier == "cpu" and all(n.meta["val"].device.type == "cpu" for n in saved_values(gm.graph)
+                             if hasattr(n.meta.get("val"), "device")):
+        rows = []  # (a CPU program's activations are in host memory already: the cpu tier moves nothing)
+
+    def exposed_per_byte(s) -> float:
+        return (max(0.0, s.write_s - s.forward_gap_s) + max(0.0, s.read_s - s.backward_gap_s)) / max(1, s.bytes)
+
+    placement, moved = {}, 0
+    for s in sorted(rows, key=exposed_per_byte):
+        if held - moved <= budget:
+            placement[s.name] = "keep"
+            continue
+        placement[s.name] = tier
+        moved += s.bytes
+    if held - moved > budget:
+        raise BudgetError(
+            f"Activations(memory_budget={budget}) cannot be met: after recompute the program keeps {held} bytes "
+            f"per rank for its backward and can move {moved} of them to {tier}; the least it can hold is "
+            f"{held - moved} bytes. Raise memory_budget")
+    ctx.outputs[PLACEMENT] = placement
+    return PassResult(gm, changed=False, summary={"held_bytes": held, "offload_bytes": moved, "budget": budget,
+                                                  "offloaded": sum(1 for w in placement.values() if w == tier)})

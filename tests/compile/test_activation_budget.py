@@ -1,0 +1,120 @@
+"""`Activations(memory_budget=...)` ([Note: planning activations under a budget] in
+`fxzero/passes/activation_budget.py`), one rank (2 ranks: `tests/dist/test_activation_budget.py`).
+
+A Hugging Face GPT-2 with its dropouts, at three budgets between what the resident run holds and
+what recomputing every unit holds: the activations a forward leaves for its backward
+(`memory_report()["activations"]`, counted by the runtime) stay within each budget, and the
+steps equal the resident run's bit for bit with the same collectives. The choice follows the
+cost model: with a fast tier the planner offloads and recomputes nothing, with a slow one it
+recomputes and offloads nothing. Budgets no plan meets, and settings that cannot work together,
+are errors naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxzero
+from fxzero.cost import preset
+from fxzero.cost.model import Link, gbps
+from tests.compile.test_recompute import CONFIG, _batches, _state
+
+pytestmark = pytest.mark.timeout(300)
+transformers = pytest.importorskip("transformers")
+
+PRESET = "h100x8-nvlink"
+"""The cost model the plans are priced by (pinned: no path chosen by a measurement)."""
+
+
+def _nvme(gbytes_per_s: float):
+    """The preset with its NVMe at `gbytes_per_s` both ways."""
+    base = preset(PRESET)
+    return dataclasses.replace(base, io={**base.io, "nvme_read": Link(bandwidth=gbps(gbytes_per_s), latency=1e-4),
+                                         "nvme_write": Link(bandwidth=gbps(gbytes_per_s), latency=1e-4)})
+
+
+def _train(activations: fxzero.Activations, cost_model=PRESET, steps: int = 3):
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    config = fxzero.Config(stage=3, cost_model=cost_model, activations=activations)
+    engine = fxzero.compile(model, config, state_dict=_state())
+    torch.manual_seed(5)
+    losses, held = [], []
+    for ids in _batches(steps):
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        held.append(engine.memory_report()["activations"])
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return engine, losses, max(held)
+
+
+def _trace(engine, name: str) -> dict:
+    return next((r.summary for r in engine._stepping.compiled.pass_trace if r.name == name), {})
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return _train(fxzero.Activations())
+
+
+@pytest.fixture(scope="module")
+def least():
+    """What the program holds with every unit's interior recomputed (the planner's floor)."""
+    return _train(fxzero.Activations(recompute="unit"))[2]
+
+
+@pytest.mark.parametrize("fraction", [0.75, 0.45, 0.2])
+def test_recompute_alone_meets_each_budget_bit_for_bit(resident, least, fraction):
+    engine0, want, full = resident
+    budget = least + int(fraction * (full - least))
+    engine, got, held = _train(fxzero.Activations(memory_budget=budget))
+    assert held <= budget, (held, budget)
+    assert got == want
+    assert engine.comm_report() == engine0.comm_report()
+    trace = _trace(engine, "separate_phases")
+    assert trace["budget_kept_bytes"] == held and trace["budget_offload_bytes"] == 0
+    assert trace["budget_recomputed"] > 0
+
+
+def test_a_smaller_budget_recomputes_more(resident, least):
+    full = resident[2]
+    recomputed = []
+    for fraction in (0.75, 0.45, 0.2):
+        engine, _, _ = _train(fxzero.Activations(memory_budget=least + int(fraction * (full - least))), steps=1)
+        recomputed.append(_trace(engine, "separate_phases")["budget_recompute_s"])
+    assert recomputed == sorted(recomputed) and recomputed[0] < recomputed[-1]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_cost_model_chooses_between_offload_and_recompute(resident, least, tmp_path, fast):
+    """NVMe at 100 GB/s hides behind compute: offload only. At 0.01 GB/s its transfers would take
+    far longer than recomputing: recompute only. Either way within the budget, bit for bit."""
+    _, want, full = resident
+    budget = least + int(0.45 * (full - least))
+    engine, got, held = _train(fxzero.Activations(memory_budget=budget, offload=fxzero.Nvme(path=str(tmp_path)),
+                                                  offload_min_bytes=0), cost_model=_nvme(100.0 if fast else 0.01))
+    assert held <= budget and got == want
+    planned, moved = _trace(engine, "separate_phases"), _trace(engine, "plan_offload")
+    if fast:
+        assert planned["budget_recomputed"] == 0 and moved["offload_bytes"] > 0
+        assert engine.memory_report()["activations_nvme_peak"] == moved["offload_bytes"]
+    else:
+        assert planned["budget_recomputed"] > 0 and moved["offload_bytes"] == 0
+
+
+def test_a_budget_no_plan_meets_names_the_least(least):
+    with pytest.raises(ValueError, match=r"memory_budget=1000\) cannot be met by recompute alone: the least this "
+                                         r"program can keep for its backward is \d+ bytes per rank.*Nvme"):
+        _train(fxzero.Activations(memory_budget=1000), steps=1)
+
+
+def test_settings_that_cannot_work_together_are_refused():
+    with pytest.raises(ValueError, match="chooses what to recompute itself; recompute='unit' would overrule it"):
+        fxzero.Activations(memory_budget=10**6, recompute="unit")
+    with pytest.raises(ValueError, match="must be a positive number of bytes, got 0"):
+        fxzero.Activations(memory_budget=0)
+    with pytest.raises(ValueError, match="prices recompute and offload with the cost model: set Config.cost_model"):
+        _train(fxzero.Activations(memory_budget=10**6), cost_model=None, steps=1)
