@@ -26,6 +26,7 @@ the cpu tier (the pass leaves them: they are in host memory already).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import shutil
 import threading
@@ -61,14 +62,33 @@ class Receipt:
         return f"Receipt({self.key!r}, {self.nbytes} bytes)"
 
 
-class _Writing(NamedTuple):
-    """An activation's write in flight; its wait yields the receipt."""
+class _Writing:
+    """An activation's write in flight; its wait yields the receipt.
 
-    pending: Pending
-    receipt: Receipt
+    It lets go of the write's future as soon as the write is done: the future's result is the
+    tensor written, and the program waits for its writes only at the forward's end, so holding
+    the future until then would hold every offloaded tensor in memory until then."""
+
+    __slots__ = ("future", "error", "receipt", "__weakref__")
+
+    def __init__(self, pending: Pending, receipt: Receipt) -> None:
+        self.future, self.error, self.receipt = pending.future, None, receipt
+        if self.future is not None:  # (by a weak reference: a done future may outlive this write)
+            self.future.add_done_callback(functools.partial(_Writing._done, weakref.ref(self)))
+
+    @staticmethod
+    def _done(ref: "weakref.ref[_Writing]", future) -> None:
+        writing = ref()
+        if writing is not None:
+            writing.error = future.exception()
+            writing.future = None
 
     def wait(self) -> Receipt:
-        self.pending.wait()
+        future = self.future
+        if future is not None:
+            future.result()
+        if self.error is not None:
+            raise self.error
         return self.receipt
 
 
@@ -169,11 +189,14 @@ class ActivationStore:
                 f"[rank {self.rank}] the saved activation {receipt.key!r} is no longer on the {self.tier.name} tier: "
                 "engine.step() ran between its forward and this backward and removed it (a step ends what its "
                 "forwards saved); run the backward before step()")
-        # Not an aligned buffer (a view at an offset into a larger one, which O_DIRECT would read
-        # into in place): the tensor the backward reads starts its storage, as the one the
-        # forward saved did; torch.set_rng_state, given a generator state the forward saved, reads
-        # the storage from its start (a replayed dropout's state: [Note: replaying random operators]).
-        out = pool.take(numel, dtype)
+        # A buffer of its own, not the executor's pool's: the backward frees it after its last
+        # reader, and the memory goes back to the allocator, for the next forward's activations
+        # (a pooled buffer would wait, unused, for the next backward's fetch of its size). Not an
+        # aligned buffer either (a view at an offset into a larger one, which O_DIRECT reads into
+        # in place): the tensor the backward reads starts its storage, as the one the forward saved
+        # did; torch.set_rng_state, given a generator state the forward saved, reads the storage
+        # from its start (a replayed dropout's state: [Note: replaying random operators]).
+        out = torch.empty(numel, dtype=dtype, device=pool.device)
         return _Reading(self.tier.read(receipt.key, out), self, receipt.key)
 
     def _remove(self, key: str) -> None:

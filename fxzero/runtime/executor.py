@@ -180,6 +180,8 @@ class ProgramRunner:
         self.update = update
         self.pool = pool or BufferPool(per_size=0)  # per_size 0: nothing kept
         self._kept_buffer = {k.name: k.buffer for k in program.kept}
+        fetched = {i.name for i in program.instructions if i.kind == "fetch" and i.state == "activation"}
+        self._activation_buffers = {i.name for i in program.instructions if i.kind == "wait" and i.reads[0] in fetched}
         self._inputs = frozenset(program.inputs)
         nodes = {n.name: n for n in gm.graph.nodes}
         self.steps: list[tuple[Instruction, Callable[[dict], Any]]] = [
@@ -382,6 +384,8 @@ class ProgramRunner:
     def _free(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         (src,) = ins.reads
         staged = ins.buffer == "fetched"
+        if src in self._activation_buffers:  # uncounted; its memory goes when the program drops it, not to the pool
+            return lambda env: self.memory.stage(-env[src].numel() * env[src].element_size())
         return lambda env: self.release(env[src], staged)
 
     def _timed_out(self, index: int, ins: Instruction, error: Exception) -> "CollectiveTimeout":

@@ -80,3 +80,50 @@ def test_nvme_activation_offload_trains_as_the_resident_run_on_two_ranks(tmp_pat
             assert files[0::2] == [files[0]] * STEPS and files[0] > 0 and files[1::2] == [0] * STEPS
             io = moved["io"]
             assert io["write"]["bytes"] == io["read"]["bytes"] == STEPS * moved["written"]
+
+
+def _lifecycle(rank: int, world_size: int, nvme: str) -> dict:
+    """A world of one: what happens to the files when a forward's backward never runs, when step()
+    comes between a forward and its backward, and when a file changes on disk."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+    activations = fxzero.Activations(offload=fxzero.Nvme(path=nvme), offload_min_bytes=0)
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None, activations=activations))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    out = engine(input_ids=ids, labels=ids, use_cache=False)
+    seen["written"] = len(_files(engine))
+    del out  # autograd drops the forward: its receipts die, and their files with them
+    seen["after_drop"] = (len(_files(engine)), engine.memory_report()["activations_nvme"])
+    out = engine(input_ids=ids, labels=ids, use_cache=False)
+    try:
+        engine.step()
+    except RuntimeError as e:
+        seen["step"] = str(e)
+    seen["after_step"] = len(_files(engine))
+    try:
+        engine.backward(out.loss)
+    except RuntimeError as e:
+        seen["backward_after_step"] = str(e)
+    out = engine(input_ids=ids, labels=ids, use_cache=False)
+    name = _files(engine)[0]
+    with open(os.path.join(engine._stash._dir, name), "r+b") as f:  # one byte of its data changed
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        engine.backward(out.loss)
+    except Exception as e:  # noqa: BLE001 (what the read raised, whatever its type)
+        seen["changed_file"] = f"{type(e).__name__}: {e}"
+    engine.close()
+    return seen
+
+
+def test_files_go_when_a_forward_is_dropped_at_the_step_and_a_changed_file_is_an_error(tmp_path):
+    (seen,) = run_ranks(_lifecycle, 1, str(tmp_path))
+    assert seen["written"] > 0 and seen["after_drop"] == (0, 0)
+    assert "no gradient" in seen["step"] and seen["after_step"] == 0
+    assert "no longer on the nvme tier" in seen["backward_after_step"]
+    assert "run the backward before step()" in seen["backward_after_step"]
+    assert "checksum mismatch" in seen["changed_file"], seen["changed_file"]

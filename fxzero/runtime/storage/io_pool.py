@@ -56,6 +56,9 @@ class IoPool:
                 future.set_result(fn(*args))
             except BaseException as e:  # delivered to whoever waits on the future
                 future.set_exception(e)
+            # Let go of the task before waiting for the next: its arguments hold the tensor it wrote
+            # (a saved activation written to free its memory: fxzero/runtime/activation_store.py).
+            del future, fn, args
 
     def shutdown(self) -> None:
         """Run what was submitted, then stop the workers."""
