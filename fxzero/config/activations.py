@@ -23,10 +23,13 @@ from typing import Optional, Union
 
 from fxzero.config.placement import Cpu, Nvme
 
-__all__ = ["RECOMPUTE", "Activations"]
+__all__ = ["BUDGET_CHOICES", "RECOMPUTE", "Activations"]
 
 RECOMPUTE = ("none", "unit", "selective")
 """Values of `Activations.recompute`."""
+
+BUDGET_CHOICES = ("recompute", "offload")
+"""What `Activations.budget_choices` may name."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +62,11 @@ class Activations:
     under a budget] in `fxzero/passes/activation_budget.py`). It chooses what to recompute
     itself: leave `recompute` at "none". Needs a cost model (`Config.cost_model`)."""
 
+    budget_choices: tuple[str, ...] = BUDGET_CHOICES
+    """What the memory budget's planner may do with a saved tensor besides keeping it:
+    ("recompute", "offload") by default; ("offload",) moves tensors to the tier and recomputes
+    nothing (ZeRO-Infinity's way), ("recompute",) the other way round."""
+
     def __post_init__(self) -> None:
         if self.offload is not None and not isinstance(self.offload, (Cpu, Nvme)):
             raise TypeError(f"Activations(offload=...) must be None, fxzero.Cpu() or fxzero.Nvme(path=...), "
@@ -74,3 +82,14 @@ class Activations:
             if self.recompute != "none":
                 raise ValueError(f"Activations(memory_budget=...) chooses what to recompute itself; "
                                  f"recompute={self.recompute!r} would overrule it: leave recompute at 'none'")
+        choices = tuple(self.budget_choices)
+        if not choices or any(c not in BUDGET_CHOICES for c in choices):
+            raise ValueError(f"Activations(budget_choices=...) names what the planner may do besides keeping a "
+                             f"tensor, one or both of {BUDGET_CHOICES}; got {self.budget_choices!r}")
+        object.__setattr__(self, "budget_choices", choices)
+        if choices != BUDGET_CHOICES and self.memory_budget is None:
+            raise ValueError("Activations(budget_choices=...) says what a memory budget's planner may do, and "
+                             "no memory_budget is set: set memory_budget=BYTES, or leave budget_choices out")
+        if choices == ("offload",) and self.memory_budget is not None and self.offload is None:
+            raise ValueError("Activations(budget_choices=('offload',)) lets the planner only offload, and no tier "
+                             "is set: add offload=fxzero.Nvme(path=...)")

@@ -40,6 +40,8 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
     tiled = any(tile.is_tile(lay) for lay in layouts)
     held = config.activations.memory_budget  # ([Note: planning activations under a budget])
     tier = config.activations.offload.tier if config.activations.offload is not None else None
+    if held is not None and "offload" not in config.activations.budget_choices:
+        tier = None  # (the planner keeps what it does not recompute; the tier's own rule does not run)
     if held is not None and cost_model is None:
         raise ValueError("Activations(memory_budget=...) prices recompute and offload with the cost model: "
                          "set Config.cost_model ('measure', a preset name from fxzero.cost.PRESETS, or a CostModel)")
@@ -47,7 +49,7 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         *([tile.PASS] if tiled else []),
         partition.make(persistent=persistent),
         separate_phases.make(recompute=config.activations.recompute, budget=held, cost_model=cost_model,
-                             tier=tier),
+                             tier=tier, may_recompute="recompute" in config.activations.budget_choices),
         insert_gather_free.PASS,
         insert_reduce_scatter.make(keep_full=config.stage == 1, dtype=mp.grad_dtype if mp is not None else None),
         choose_collectives.make(cost_model=cost_model),
@@ -76,7 +78,8 @@ def build_pipeline(config: Config, layouts: list[UnitLayout], cost_model=None) -
         passes.append(offload_grads.make(tier=tiers["grad"], lookahead=lookahead))
     if config.activations.offload is not None:  # saved activations on a tier ([Note: activations on a tier])
         if held is not None:
-            passes.append(activation_budget.make_plan_offload(budget=held, tier=tier, cost_model=cost_model))
+            passes.append(activation_budget.make_plan_offload(budget=held, tier=config.activations.offload.tier,
+                                                              cost_model=cost_model, may_offload=tier is not None))
         passes.append(offload_activations.make(tier=config.activations.offload.tier, cost_model=cost_model,
                                                min_bytes=config.activations.offload_min_bytes))
     passes += [

@@ -102,15 +102,15 @@ def _transfer_s(cost_model, tier: str, kind: str, n: int) -> float:
 
 def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float], tier: Optional[str],
                    cost_model, interior: Callable[[fx.Node], bool],
-                   param_only: Callable[[fx.Node], bool]) -> BudgetPlan:
-    """Step 1 of [Note: planning activations under a budget]."""
+                   param_only: Callable[[fx.Node], bool], may_recompute: bool = True) -> BudgetPlan:
+    """Step 1 of [Note: planning activations under a budget] (`may_recompute` False: lambda 0 only)."""
     ns = {n: max(1, round(seconds.get(n, 0.0) * 1e9)) for n in graph.nodes}
     forward_s = sum(s for n, s in seconds.items() if phase(n) == FORWARD)
     backward_s = sum(s for n, s in seconds.items() if phase(n) == BACKWARD)
     candidates = [n for n in graph.nodes if n.op == "call_function" and interior(n) and nbytes(n.meta.get("val"))]
     ratios = sorted({ns[n] / nbytes(n.meta["val"]) for n in candidates})
     step = max(1, len(ratios) // LAMBDAS)
-    prices = [0.0] + ratios[::step] + [float(_INFINITE)]
+    prices = [0.0] + ratios[::step] + [float(_INFINITE)] if may_recompute else [0.0]
 
     def recompute_cost(n: fx.Node) -> Optional[int]:
         return ns[n] if interior(n) else None
@@ -136,13 +136,16 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
         raise BudgetError(
             f"Activations(memory_budget={budget}) cannot be met by recompute alone: the least this program can "
             f"keep for its backward is {least.kept_bytes} bytes per rank (every unit's interior recomputed). "
-            "Raise memory_budget, or let the planner offload too: Activations(offload=fxzero.Nvme(path=...))")
+            "Raise memory_budget, or let the planner offload too: Activations(offload=fxzero.Nvme(path=...)) "
+            "with 'offload' in budget_choices")
     return best
 
 
-def make_plan_offload(*, budget: int, tier: str, cost_model) -> Pass:
-    """Step 2 of [Note: planning activations under a budget], as a pass before `offload_activations`."""
-    return Pass("plan_offload", functools.partial(plan_offload, budget=budget, tier=tier, cost_model=cost_model),
+def make_plan_offload(*, budget: int, tier: str, cost_model, may_offload: bool = True) -> Pass:
+    """Step 2 of [Note: planning activations under a budget], as a pass before `offload_activations`
+    (`may_offload` False: every tensor stays, the tier's own rule overruled)."""
+    return Pass("plan_offload", functools.partial(plan_offload, budget=budget, tier=tier, cost_model=cost_model,
+                                                  may_offload=may_offload),
                 requires=frozenset({"phases"}), provides=frozenset({"activations_planned"}))
 
 
@@ -158,7 +161,8 @@ def saved_values(graph: fx.Graph) -> list[fx.Node]:
     return out
 
 
-def plan_offload(gm: fx.GraphModule, ctx: PassContext, *, budget: int, tier: str, cost_model) -> PassResult:
+def plan_offload(gm: fx.GraphModule, ctx: PassContext, *, budget: int, tier: str, cost_model,
+                 may_offload: bool = True) -> PassResult:
     held = _kept_bytes(saved_values(gm.graph))
     rows = saved_tensors(gm, ctx, tier=tier, cost_model=cost_model)
     if tier == "cpu" and all(n.meta["val"].device.type == "cpu" for n in saved_values(gm.graph)
@@ -170,7 +174,7 @@ def plan_offload(gm: fx.GraphModule, ctx: PassContext, *, budget: int, tier: str
 
     placement, moved = {}, 0
     for s in sorted(rows, key=exposed_per_byte):
-        if held - moved <= budget:
+        if held - moved <= budget or not may_offload:
             placement[s.name] = "keep"
             continue
         placement[s.name] = tier

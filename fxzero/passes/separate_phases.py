@@ -167,7 +167,7 @@ def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.N
 
 
 def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = "unit", budget: int | None = None,
-                         cost_model=None, tier: str | None = None) -> PassResult:
+                         cost_model=None, tier: str | None = None, may_recompute: bool = True) -> PassResult:
     """`recompute`: how a recompute region's interior is recomputed: "unit", all of it; "selective",
     what a minimum cut chooses ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`);
     with `budget`, what the planner chooses for that many bytes, priced by `cost_model`, `tier`
@@ -197,6 +197,7 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
         cut = plan_recompute(graph, budget=budget, seconds=compute_seconds(graph, {lay.name: lay for lay in ctx.layouts},
                                                                            cost_model),
                              tier=None if tier == "cpu" and on_cpu else tier, cost_model=cost_model,
+                             may_recompute=may_recompute,
                              interior=lambda n: _interior(n, interior), param_only=lambda n: _param_only(n, memo))
     elif recompute == "selective":
         cut = selective_cut(graph, lambda n: _interior(n, interior), lambda n: _param_only(n, memo))
@@ -237,10 +238,11 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
 PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides=PROVIDES)
 
 
-def make(recompute: str = "none", budget: int | None = None, cost_model=None, tier: str | None = None) -> Pass:
+def make(recompute: str = "none", budget: int | None = None, cost_model=None, tier: str | None = None,
+         may_recompute: bool = True) -> Pass:
     """The pass for an `Activations(recompute=..., memory_budget=...)` policy."""
     if recompute != "selective" and budget is None:
         return PASS
     return Pass("separate_phases", functools.partial(separate_phases_pass, recompute=recompute, budget=budget,
-                                                     cost_model=cost_model, tier=tier),
+                                                     cost_model=cost_model, tier=tier, may_recompute=may_recompute),
                 requires=REQUIRES, provides=PROVIDES)

@@ -105,6 +105,22 @@ def test_the_cost_model_chooses_between_offload_and_recompute(resident, least, t
         assert planned["budget_recomputed"] > 0 and moved["offload_bytes"] == 0
 
 
+def test_the_planner_does_only_what_budget_choices_allow(resident, least, tmp_path):
+    """("offload",): a tier that hides nothing still takes the excess, nothing recomputed;
+    ("recompute",) with a tier set: nothing offloaded, the tier's own rule overruled too."""
+    _, want, full = resident
+    budget = least + int(0.45 * (full - least))
+    for choices, speed in ((("offload",), 0.01), (("recompute",), 100.0)):
+        engine, got, held = _train(fxzero.Activations(memory_budget=budget, offload=fxzero.Nvme(path=str(tmp_path)),
+                                                      offload_min_bytes=0, budget_choices=choices),
+                                   cost_model=_nvme(speed))
+        assert held <= budget and got == want
+        planned, moved = _trace(engine, "separate_phases"), _trace(engine, "plan_offload")
+        assert (planned["budget_recomputed"] > 0) == (choices == ("recompute",))
+        assert (moved["offload_bytes"] > 0) == (choices == ("offload",))
+        assert _trace(engine, "offload_activations")["offloaded"] == moved["offloaded"]
+
+
 def test_a_budget_no_plan_meets_names_the_least(least):
     with pytest.raises(ValueError, match=r"memory_budget=1000\) cannot be met by recompute alone: the least this "
                                          r"program can keep for its backward is \d+ bytes per rank.*Nvme"):
@@ -116,5 +132,11 @@ def test_settings_that_cannot_work_together_are_refused():
         fxzero.Activations(memory_budget=10**6, recompute="unit")
     with pytest.raises(ValueError, match="must be a positive number of bytes, got 0"):
         fxzero.Activations(memory_budget=0)
+    with pytest.raises(ValueError, match=r"one or both of \('recompute', 'offload'\); got \('keep',\)"):
+        fxzero.Activations(memory_budget=10**6, budget_choices=("keep",))
+    with pytest.raises(ValueError, match="no memory_budget is set"):
+        fxzero.Activations(budget_choices=("recompute",))
+    with pytest.raises(ValueError, match=r"only offload, and no tier is set: add offload=fxzero.Nvme"):
+        fxzero.Activations(memory_budget=10**6, budget_choices=("offload",))
     with pytest.raises(ValueError, match="prices recompute and offload with the cost model: set Config.cost_model"):
         _train(fxzero.Activations(memory_budget=10**6), cost_model=None, steps=1)
