@@ -111,3 +111,14 @@ def test_an_api_name_that_does_not_exist_fails_the_build(tmp_path):
 def test_a_cross_reference_to_a_missing_api_name_fails_the_build(tmp_path):
     err = _plant(tmp_path, "guides/fsdp2.md", "Set [the stage][fxzero.config.config.Config.no_such_field].")
     assert "fxzero.config.config.Config.no_such_field" in err
+
+
+def test_a_docstring_naming_a_parameter_that_no_longer_exists_fails_the_build(tmp_path):
+    """A renamed argument whose docstring still names the old one: the reference would lie."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "planted_api.py").write_text(
+        'def scale(x, factor=2):\n    """Scale x.\n\n    Args:\n        x: the value.\n'
+        '        ratio: what it is multiplied by.\n    """\n    return x * factor\n')
+    err = _plant(tmp_path, "reference/api.md", "::: planted_api.scale")
+    assert "ratio" in err and "does not appear in the function signature" in err
+
