@@ -16,7 +16,8 @@ recomputing a unit]), or, with `Activations(offload=...)`, written to the tier a
    infinity (everything a unit's interior holds), and for each predicts the step's added time:
    the recompute time, plus, for the bytes still over the budget, the offload's writes and
    reads beyond the forward's and the backward's compute they hide behind (infinite without a
-   tier). It takes the least; recompute-only and offload-only are among the candidates (every
+   tier, or where what cannot move, a model input or a strided view, is over the budget by
+   itself). It takes the least; recompute-only and offload-only are among the candidates (every
    lambda with nothing offloaded; lambda 0), so the plan is predicted no slower than either.
 2. Offload (`plan_offload`, before `offload_activations`): of the tensors still saved, the
    fewest seconds of exposed transfer per byte go to the tier until what stays fits.
@@ -40,7 +41,7 @@ from fxzero.ir.instruction import Instruction
 from fxzero.ir.rng import STATE_BYTES
 from fxzero.ir.sizes import nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, phase
-from fxzero.passes.offload_activations import PLACEMENT, saved_tensors
+from fxzero.passes.offload_activations import PLACEMENT, _can_offload, saved_tensors
 from fxzero.passes.recompute_cut import cut
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
@@ -119,10 +120,12 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
     for price in prices:
         chosen = cut(graph, param_only, recompute_cost=recompute_cost,
                      keep_cost=lambda n, price=price: int(price * nbytes(n.meta.get("val"))))
-        kept = _kept_bytes(chosen.kept) + sum(_state_bytes(n) for n in chosen.recomputed)
+        states = sum(_state_bytes(n) for n in chosen.recomputed)
+        kept = _kept_bytes(chosen.kept) + states
+        fixed = _kept_bytes(n for n in chosen.kept if not _can_offload(alias_root(n))) + states
         recompute_s = sum(seconds.get(n, 0.0) for n in chosen.recomputed)
         over = max(0, kept - budget)
-        if over and tier is None:
+        if over and (tier is None or fixed > budget):  # (what cannot move to the tier: inputs, strided views)
             exposed = float("inf")
         else:
             exposed = (max(0.0, _transfer_s(cost_model, tier, "offload", over) - forward_s)
