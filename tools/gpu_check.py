@@ -19,7 +19,12 @@ config in bf16), fxzero's world of one against eager PyTorch on the same GPU and
 - `offload`: cpu and nvme tiers (parameters and optimizer states), the step time and, from the
   profiler, the share of host<->device copy time that overlaps compute kernels (bar: 0.8);
 - `sanitizer`: one step under TORCH_CUDA_SANITIZER=1 (a child process), its verdict;
-- `checkpoint`: saved from the GPU, loaded by a CPU process (CUDA hidden), parameters equal.
+- `checkpoint`: saved from the GPU, loaded by a CPU process (CUDA hidden), parameters equal;
+- `activations`: an HF GPT-2 with its dropouts under each activation policy (resident, unit,
+  selective, the cpu tier, a memory budget between resident and unit): losses of 5 steps equal
+  the resident run's bit for bit (the CUDA generator's dropout masks replayed in the backward:
+  [Note: replaying random operators] in `fxzero/ir/rng.py`), the activations held after a
+  forward (and as counted from the program), max_memory_allocated and the median step.
 
 Each section reports {"error": ...} instead of stopping the others. `--dry-run` runs the flow on
 the meta device (tensors without values, `fxzero.compile(device="meta")`): every program traced
@@ -309,6 +314,73 @@ def load_on_cpu(directory: str) -> None:
 
 # -- main --------------------------------------------------------------------------------------
 
+# -- activations -------------------------------------------------------------------------------
+
+ACTIVATION_POLICIES = ("none", "unit", "selective", "cpu", "budget")
+
+
+def _activations_config(policy: str, budget: int) -> "fxzero.Activations":
+    if policy == "cpu":
+        return fxzero.Activations(offload=fxzero.Cpu(), offload_min_bytes=0)
+    if policy == "budget":
+        return fxzero.Activations(memory_budget=budget, offload=fxzero.Cpu(), offload_min_bytes=0)
+    return fxzero.Activations(recompute=policy)
+
+
+def _gpt2(dry: bool):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2 if dry else 6, n_embd=64 if dry else 512, n_head=4 if dry else 8,
+                                     vocab_size=256 if dry else 8192, n_positions=64 if dry else 1024)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def activations(dry: bool, device) -> dict:
+    vocab, seq, batch = (256, 32, 2) if dry else (8192, 1024, 4)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(PARITY_STEPS)]
+    out: dict = {}
+    for policy in ACTIVATION_POLICIES:
+        budget = (out["none"]["counted"] + out["unit"]["counted"]) // 2 if policy == "budget" else 0
+        with torch.device("meta"):
+            model = _gpt2(dry)
+        config = fxzero.Config(stage=3, seed=0, cost_model="h100x8-nvlink", gradient_clipping=None,
+                               optimizer=fxzero.AdamW(lr=LR, weight_decay=0.0),
+                               activations=_activations_config(policy, budget))
+        engine = fxzero.compile(model, config, device=device)
+        torch.manual_seed(5)  # (the dropout masks: the same draws under every policy)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses, times, held = [], [], 0
+        for ids in batches:
+            start = time.perf_counter()
+            result = engine(input_ids=ids, labels=ids, use_cache=False)
+            held = max(held, engine.memory_report()["activations"])
+            engine.backward(result.loss)
+            engine.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(result.loss.detach())
+        from fxzero.activation_estimate import count_saved
+
+        counted = count_saved(engine._stepping.compiled, policy).total  # (from the program: a meta tensor holds no bytes)
+        out[policy] = {"held": None if dry else held, "counted": counted, "budget": budget or None,
+                       "max_memory_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+                       "step_s": None if dry else statistics.median(times[1:]),
+                       "losses": None if dry else _losses(losses)}
+        engine.close()
+        del engine, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not dry:
+        out["losses_equal"] = {p: out[p]["losses"] == out["none"]["losses"] for p in ACTIVATION_POLICIES}
+        out["within_budget"] = out["budget"]["held"] <= out["budget"]["budget"]
+        out["held_equals_counted"] = {p: out[p]["held"] == out[p]["counted"] for p in ACTIVATION_POLICIES}
+    return out
+
+
 def _section(fn, *args) -> dict:
     start = time.perf_counter()
     try:
@@ -351,6 +423,7 @@ def main() -> None:
         "offload": {tier: _section(offload, tier, dry, device) for tier in ("cpu", "nvme")},
         "sanitizer": _section(sanitizer, dry),
         "checkpoint": _section(checkpoint, dry, device),
+        "activations": _section(activations, dry, device),
     }
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=1))

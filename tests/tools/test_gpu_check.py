@@ -35,6 +35,11 @@ def test_the_dry_run_trains_every_model_on_the_stand_in_device():
         assert (model["host_syncs"]["forward_backward"], model["host_syncs"]["step"]) == (0, 1)
     for section in (*report["offload"].values(), report["sanitizer"], report["checkpoint"]):
         assert section["skipped"].startswith("dry run")
+    activations = report["activations"]
+    assert "error" not in activations, activations.get("traceback")
+    held = {p: activations[p]["counted"] for p in ("none", "unit", "selective", "cpu", "budget")}
+    assert held["unit"] < held["selective"] < held["none"]
+    assert held["budget"] <= activations["budget"]["budget"] < held["none"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself")
