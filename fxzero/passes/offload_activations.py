@@ -26,7 +26,8 @@ taken again of the fetched copy (views move no data), so the storage leaves memo
 The candidates are the tensors the forward saves for the backward, after `separate_phases` chose
 what to recompute (with `recompute="unit"`, a unit's inputs and its random draws: offload then
 moves what the unit keeps), that own their storage (a view goes with its owner), are computed
-in the forward (not a model input, a gathered or fetched buffer), contiguous, and of static size
+in the forward (not a model input, a gathered or fetched buffer), dense (its elements fill its
+storage, in any order of dimensions: attention's output is transposed), and of static size
 (a size known only at run time stays resident). Of those, the default rule offloads a tensor when
 
 1. it has at least `Activations.offload_min_bytes` (small ones cost a file and a call for little);
@@ -106,15 +107,24 @@ class _Candidate(NamedTuple):
 
 # -- predicates ------------------------------------------------------------------------------------
 
-def _is_static_contiguous(val) -> bool:
-    return (isinstance(val, torch.Tensor) and not any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride()))
-            and val.numel() > 0 and val.is_contiguous() and val.storage_offset() == 0)
+def _is_static_dense(val) -> bool:
+    """A tensor of static size whose elements fill its storage from its start, in some order of
+    its dimensions (written and read back as that storage, in that layout)."""
+    if not (isinstance(val, torch.Tensor) and val.numel() > 0 and val.storage_offset() == 0
+            and not any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride()))):
+        return False
+    expected = 1
+    for stride, size in sorted((s, d) for d, s in zip(val.shape, val.stride()) if d > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _can_offload(root: fx.Node) -> bool:
     """An ATen value of the forward that owns its storage (see the module doc)."""
     return (root.op == "call_function" and phase(root) == FORWARD and kind(root) in (None, "compute")
-            and not root.meta.get("fxzero", {}).get("kept") and _is_static_contiguous(root.meta.get("val")))
+            and not root.meta.get("fxzero", {}).get("kept") and _is_static_dense(root.meta.get("val")))
 
 
 def _view_chain(node: fx.Node, root: fx.Node) -> Optional[list[fx.Node]]:
@@ -163,6 +173,14 @@ def _candidates(graph: fx.Graph) -> list[_Candidate]:
     return sorted(out, key=lambda c: order[c.root])
 
 
+def _through_views(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """The first node that reads `node`'s data: itself, or, for a view, its first reader's (as
+    `_forward_first` sinks a backward view to its first reader, the analysis may run before it)."""
+    while kind(node) is None and alias_source(node) is not None and node.users:
+        node = min(node.users, key=order.__getitem__)
+    return node
+
+
 class _Timeline(NamedTuple):
     """One phase's nodes in program order, their unit segments and predicted start times."""
 
@@ -194,17 +212,18 @@ def _io_seconds(cost_model, tier: str, which: str, nbytes: int) -> float:
 def _analyse(graph: fx.Graph, ctx: PassContext, tier: str, cost_model):
     seconds = compute_seconds(graph, {lay.name: lay for lay in ctx.layouts}, cost_model) if cost_model else None
     fwd, bwd = _Timeline.of(graph, FORWARD, seconds), _Timeline.of(graph, BACKWARD, seconds)
-    rows = []
+    rows, order = [], {n: i for i, n in enumerate(graph.nodes)}
     for c in _candidates(graph):
         nbytes = value_size(c.root.meta["val"])[1]
-        last = c.last_forward
+        last, first = c.last_forward, _through_views(c.first_backward, order)
+        first = first if first in bwd.start_s else c.first_backward
         after = fwd.start_s[last] + (seconds.get(last, 0.0) if seconds is not None else 0.0)
         rows.append((c, SavedTensor(
             name=c.root.name, unit=fwd.segments[c.root][1], bytes=nbytes,
             write_s=_io_seconds(cost_model, tier, "offload", nbytes), read_s=_io_seconds(cost_model, tier, "fetch", nbytes),
-            forward_gap_s=fwd.end_s - after, backward_gap_s=bwd.start_s[c.first_backward],
+            forward_gap_s=fwd.end_s - after, backward_gap_s=bwd.start_s[first],
             forward_gap_units=fwd.last_segment - fwd.segments[last][0],
-            backward_gap_units=bwd.segments[c.first_backward][0])))
+            backward_gap_units=bwd.segments[first][0])))
     return rows, fwd, bwd
 
 
@@ -214,13 +233,12 @@ def saved_tensors(gm: fx.GraphModule, ctx: PassContext, *, tier: str, cost_model
     return [row for _, row in _analyse(gm.graph, ctx, tier, cost_model)[0]]
 
 
-def _default_rule(rows: list[tuple[_Candidate, SavedTensor]], fwd: _Timeline, bwd: _Timeline, min_bytes: int,
+def _default_rule(rows: list[tuple[_Candidate, SavedTensor]], fwd: _Timeline, min_bytes: int,
                   priced: bool) -> set[str]:
     """Names the rule offloads (module doc, 1-3)."""
     chosen = [s for _, s in rows if s.bytes >= min_bytes and s.forward_gap_units > 0 and s.backward_gap_units > 0]
     if not priced:
         return {s.name for s in chosen}
-    by_name = {c.root.name: c for c, _ in rows}
     written, io_free = [], 0.0
     for s in sorted(chosen, key=lambda s: fwd.end_s - s.forward_gap_s):  # by the end of the last use
         begin = max(io_free, fwd.end_s - s.forward_gap_s)
@@ -228,8 +246,8 @@ def _default_rule(rows: list[tuple[_Candidate, SavedTensor]], fwd: _Timeline, bw
             written.append(s)
             io_free = begin + s.write_s
     out, io_busy_from = set(), float("inf")
-    for s in sorted(written, key=lambda s: bwd.start_s[by_name[s.name].first_backward], reverse=True):
-        begin = min(bwd.start_s[by_name[s.name].first_backward], io_busy_from) - s.read_s
+    for s in sorted(written, key=lambda s: s.backward_gap_s, reverse=True):  # (the gap: when its first reader starts)
+        begin = min(s.backward_gap_s, io_busy_from) - s.read_s
         if begin >= 0.0:
             out.add(s.name)
             io_busy_from = begin
@@ -274,7 +292,7 @@ def _offload_one(graph: fx.Graph, c: _Candidate, unit: Optional[str], tier: str,
     numel = val.numel()
     with graph.inserting_before(issue):
         fetch = graph.call_function(OPS["fetch"], (unit or "", ACTIVATION, numel, val.dtype, done))
-    fetch.meta["val"] = torch.empty(numel, dtype=val.dtype, device=val.device)
+    fetch.meta["val"] = torch.empty(numel, dtype=val.dtype, device="meta")  # (as offload_params' fetches: no memory)
     tag(fetch, kind="fetch", unit=unit, phase=BACKWARD, state=ACTIVATION, tier=tier)
     with graph.inserting_before(c.first_backward):
         fetched = graph.call_function(OPS["wait"], (fetch,))
@@ -342,7 +360,7 @@ def offload_activations_pass(gm: fx.GraphModule, ctx: PassContext, *, tier: str,
         return PassResult(gm, changed=False, summary={"tier": tier, "offloaded": 0, "candidates": len(rows)})
     placement = dict(ctx.outputs.get(PLACEMENT) or {})
     _check_placement(placement, {s.name for _, s in rows}, tier)
-    ruled = _default_rule([r for r in rows if r[1].name not in placement], fwd, bwd, min_bytes, cost_model is not None)
+    ruled = _default_rule([r for r in rows if r[1].name not in placement], fwd, min_bytes, cost_model is not None)
     chosen = {name for name, where in placement.items() if where == tier} | ruled
     issue = _issue_points(rows, chosen, bwd, cost_model is not None)
     forward_end = fwd.nodes[-1]

@@ -53,10 +53,12 @@ process on one path), `fxzero-rank<N>-<pid>-activations`, then `-activations1`, 
 class Receipt:
     """What a forward saves for an activation it wrote to the tier: the key to read it back by."""
 
-    __slots__ = ("key", "nbytes", "__weakref__")
+    __slots__ = ("key", "nbytes", "shape", "stride", "__weakref__")
 
-    def __init__(self, key: str, nbytes: int) -> None:
+    def __init__(self, key: str, nbytes: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
         self.key, self.nbytes = key, nbytes
+        self.shape, self.stride = shape, stride
+        """The layout written (the tensor's own where it was dense): what the read restores."""
 
     def __repr__(self) -> str:
         return f"Receipt({self.key!r}, {self.nbytes} bytes)"
@@ -97,13 +99,23 @@ class _Reading(NamedTuple):
 
     pending: Pending
     store: "ActivationStore"
-    key: str
+    receipt: Receipt
 
     def wait(self) -> torch.Tensor:
         try:
-            return self.pending.wait()
+            return self.pending.wait().as_strided(self.receipt.shape, self.receipt.stride)
         finally:
-            self.store._remove(self.key)
+            self.store._remove(self.receipt.key)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its storage from its offset on, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((s, d) for d, s in zip(t.shape, t.stride()) if d > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _close(tier: StorageTier, directory: Optional[str]) -> None:
@@ -169,13 +181,17 @@ class ActivationStore:
         change until the write's wait (the program is functional: nothing changes it)."""
         key = f"{next(self._sequence)}/{ins.name}"
         nbytes = tensor.numel() * tensor.element_size()
+        if not _dense(tensor):  # (the pass chose it dense by its traced layout; this one is not)
+            tensor = tensor.contiguous()
         with self._lock:
             self._held[key] = nbytes
             self.current += nbytes
             self.peak = max(self.peak, self.current)
-        receipt = Receipt(key, nbytes)
+        receipt = Receipt(key, nbytes, tuple(tensor.shape), tuple(tensor.stride()))
         weakref.finalize(receipt, self._abandon, key)
-        return _Writing(self.tier.write(key, tensor), receipt)
+        # Its storage, in memory order: the read restores the layout (an attention output stays transposed).
+        flat = tensor.as_strided((tensor.numel(),), (1,))
+        return _Writing(self.tier.write(key, flat), receipt)
 
     def read(self, receipt: Receipt, numel: int, dtype: torch.dtype, pool) -> _Reading:
         """Start reading an activation back into a buffer from `pool` (the executor's); its wait
@@ -197,7 +213,7 @@ class ActivationStore:
         # did; torch.set_rng_state, given a generator state the forward saved, reads the storage
         # from its start (a replayed dropout's state: [Note: replaying random operators]).
         out = torch.empty(numel, dtype=dtype, device=pool.device)
-        return _Reading(self.tier.read(receipt.key, out), self, receipt.key)
+        return _Reading(self.tier.read(receipt.key, out), self, receipt)
 
     def _remove(self, key: str) -> None:
         with self._lock:

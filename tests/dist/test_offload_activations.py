@@ -127,3 +127,38 @@ def test_files_go_when_a_forward_is_dropped_at_the_step_and_a_changed_file_is_an
     assert "no longer on the nvme tier" in seen["backward_after_step"]
     assert "run the backward before step()" in seen["backward_after_step"]
     assert "checksum mismatch" in seen["changed_file"], seen["changed_file"]
+
+
+def _zoo_gpt(rank: int, world_size: int, nvme: str | None) -> tuple:
+    """The zoo GPT (scaled-dot-product attention, whose output is transposed) on one rank."""
+    import torch.nn.functional as F
+
+    from fxzero.zoo import gpt
+
+    torch.manual_seed(0)
+    model = gpt("tiny")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = fxzero.Nvme(path=nvme) if nvme is not None else None
+    activations = fxzero.Activations(offload=offload, offload_min_bytes=0)
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None, activations=activations), state_dict=state)
+    losses = []
+    for step in range(4):
+        ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(step))
+        loss = F.cross_entropy(engine(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    forward = engine.schedule.program("forward")
+    graph = {n.name: n for n in engine.program.programs["forward"].gm.graph.nodes}
+    transposed = [i.reads[0] for i in forward.instructions if i.kind == "offload" and i.state == "activation"
+                  and not graph[i.reads[0]].meta["val"].is_contiguous()]
+    result = losses, engine.full_state_dict(), transposed
+    engine.close()
+    return result
+
+
+def test_a_transposed_tensor_comes_back_in_its_layout(tmp_path):
+    (resident,), (offloaded,) = run_ranks(_zoo_gpt, 1, None), run_ranks(_zoo_gpt, 1, str(tmp_path))
+    assert offloaded[2]  # (the attention outputs: offloaded in their transposed layout)
+    assert offloaded[0] == resident[0]
+    assert all(torch.equal(offloaded[1][k], resident[1][k]) for k in resident[1])
