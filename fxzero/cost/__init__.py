@@ -7,9 +7,9 @@
 """
 
 from fxzero.cost.calibrate import calibrate, resolve
-from fxzero.cost.model import DEFAULT_IO, CostModel, Link
+from fxzero.cost.model import DEFAULT_IO, ComputeRates, CostModel, Link, Topology
 from fxzero.cost.presets import PRESETS, preset
 from fxzero.cost.simulate import Event, SimResult, simulate
 
-__all__ = ["DEFAULT_IO", "PRESETS", "CostModel", "Event", "Link", "SimResult", "calibrate", "preset", "resolve",
-           "simulate"]
+__all__ = ["DEFAULT_IO", "PRESETS", "ComputeRates", "CostModel", "Event", "Link", "SimResult", "Topology", "calibrate",
+           "preset", "resolve", "simulate"]

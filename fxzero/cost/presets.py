@@ -1,8 +1,17 @@
-"""Hardware we do not have, as cost models: `PRESETS` by name."""
+"""Hardware we do not have, as cost models: `PRESETS` by name.
+
+The GPU cluster presets ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb") are nodes of 8 SXM
+GPUs: NVLink inside a node, one NIC per GPU between nodes (`Topology`), compute per op kind
+(`ComputeRates`). They take the schedule's world size, so one program is priced for 8, 64 or
+512 GPUs (`CostModel.at_world` prices a program compiled for fewer ranks at more). Their peak
+rates and bandwidths are the vendors' published figures; their matmul efficiencies were
+calibrated by `tools/check_published.py` on one named row of MosaicML's published table each
+(docs/simulator.md); the attention efficiencies are issue 26's measured ratios.
+"""
 
 from __future__ import annotations
 
-from fxzero.cost.model import CostModel, Link, gbps
+from fxzero.cost.model import ComputeRates, CostModel, Link, Topology, gbps
 
 __all__ = ["PRESETS", "preset"]
 
@@ -18,11 +27,13 @@ PRESETS: dict[str, CostModel] = {
         io={"cpu_read": Link(bandwidth=gbps(50)), "cpu_write": Link(bandwidth=gbps(50)),
             "nvme_read": Link(bandwidth=gbps(3.1), latency=1e-4), "nvme_write": Link(bandwidth=gbps(2.5), latency=1e-4)},
     ),
-    # 64 GPUs (8 nodes) on 400 Gb/s links: the inter-node ring runs at ~45 GB/s per rank.
+    # 64 GPUs (8 nodes of 8) on 400 Gb/s InfiniBand, a NIC per GPU: a ring across nodes leaves
+    # each node through its 8 NICs together, min(NVLink, 0.9 x 8 x 50 GB/s) = 360 GB/s per rank
+    # (it was priced at one GPU's NIC share, 45 GB/s: issue 26).
     "h100x64-ib400": CostModel(
         name="h100x64-ib400", flops_per_s=50e12, mem_bytes_per_s=3e12, op_overhead_s=5e-6,
-        links={k: Link(bandwidth=gbps(45), latency=40e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
-        world_size=64,
+        links={k: Link(bandwidth=gbps(360), latency=15e-6) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+        world_size=64, topology=Topology(gpus_per_node=8, nic_bytes_per_s=gbps(50)),
         io={"cpu_read": Link(bandwidth=gbps(50)), "cpu_write": Link(bandwidth=gbps(50)),
             "nvme_read": Link(bandwidth=gbps(3.1), latency=1e-4), "nvme_write": Link(bandwidth=gbps(2.5), latency=1e-4)},
     ),
@@ -37,6 +48,45 @@ PRESETS: dict[str, CostModel] = {
         },
     ),
 }
+
+
+def _gpu_cluster(name: str, *, peak: dict[str, float], hbm: float, memory_gib: float, nvlink: float, nic: float,
+                 matmul_efficiency: float, attention_efficiency: float) -> CostModel:
+    """Nodes of 8 GPUs: `nvlink` the bus bandwidth of a ring inside a node (NCCL's busbw for
+    all-gather and reduce-scatter; an all-reduce moves twice the bytes), `nic` one GPU's NIC."""
+    ring = Link(bandwidth=nvlink, latency=15e-6)
+    return CostModel(
+        name=name, flops_per_s=matmul_efficiency * peak["bfloat16"], mem_bytes_per_s=hbm, op_overhead_s=3e-6,
+        links={"all_gather": ring, "reduce_scatter": ring, "all_reduce": Link(bandwidth=nvlink / 2, latency=15e-6)},
+        topology=Topology(gpus_per_node=8, nic_bytes_per_s=nic),
+        rates=ComputeRates(peak_flops=peak, matmul_efficiency=matmul_efficiency,
+                           attention_efficiency=attention_efficiency),
+        device_memory_bytes=int(memory_gib * 2**30),
+        # PCIe 4 (A100) / 5 (H100) host copies per GPU; NVMe as h100x8-nvlink's.
+        io={"cpu_read": Link(bandwidth=gbps(25 if "a100" in name else 50)),
+            "cpu_write": Link(bandwidth=gbps(25 if "a100" in name else 50)),
+            "nvme_read": Link(bandwidth=gbps(3.1), latency=1e-4), "nvme_write": Link(bandwidth=gbps(2.5), latency=1e-4)},
+    )
+
+
+# Dense tensor-core peaks (NVIDIA's A100 and H100 SXM datasheets; float32 is TF32).
+_A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
+_H100 = {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}
+
+PRESETS.update({
+    # DGX A100: NVLink 3 (~230 GB/s NCCL bus bandwidth), 8 x 200 Gb/s RoCE per node (MosaicML's
+    # "1600 Gbps node-node interconnect"): 25 GB/s per GPU. HBM2 1.56 TB/s (40 GB), HBM2e 2.04 TB/s (80 GB).
+    "a100-40gb": _gpu_cluster("a100-40gb", peak=_A100, hbm=gbps(1555), memory_gib=40, nvlink=gbps(230),
+                              nic=gbps(25), matmul_efficiency=0.70, attention_efficiency=0.43),
+    "a100-80gb": _gpu_cluster("a100-80gb", peak=_A100, hbm=gbps(2039), memory_gib=80, nvlink=gbps(230),
+                              nic=gbps(25), matmul_efficiency=0.70, attention_efficiency=0.43),
+    # H100 / H200 SXM: NVLink 4 (~360 GB/s ring bus bandwidth), 400 Gb/s InfiniBand per GPU;
+    # HBM3 3.35 TB/s (80 GB), HBM3e 4.8 TB/s (141 GB).
+    "h100-80gb": _gpu_cluster("h100-80gb", peak=_H100, hbm=gbps(3350), memory_gib=80, nvlink=gbps(360),
+                              nic=gbps(50), matmul_efficiency=0.55, attention_efficiency=0.33),
+    "h200-141gb": _gpu_cluster("h200-141gb", peak=_H100, hbm=gbps(4800), memory_gib=141, nvlink=gbps(360),
+                               nic=gbps(50), matmul_efficiency=0.55, attention_efficiency=0.33),
+})
 
 
 def preset(name: str) -> CostModel:

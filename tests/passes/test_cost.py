@@ -233,7 +233,7 @@ def test_resolve():
     assert cost.resolve(None) is None
     with pytest.raises(TypeError, match="Config.cost_model must be 'measure', a preset name, .* got int"):
         cost.resolve(3)
-    with pytest.raises(ValueError, match=r"unknown hardware 'tpu-v9'; choose one of \['cpu-loopback'"):
+    with pytest.raises(ValueError, match=r"unknown hardware 'tpu-v9'; choose one of \['a100-40gb', 'a100-80gb', 'cpu-loopback'"):
         cost.resolve("tpu-v9")
 
 
