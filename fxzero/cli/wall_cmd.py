@@ -18,13 +18,16 @@ __all__ = ["wall_command"]
               help="Where to write the page.")
 @click.option("--open", "open_page", is_flag=True, help="Open the page in the default browser once written.")
 def wall_command(output: str, open_page: bool) -> None:
-    """The Memory Wall: per-GPU model states of DDP and ZeRO-1/2/3 against the GPU's memory.
+    """The Memory Wall: per-GPU model states and activations of DDP and ZeRO-1/2/3 against the GPU's memory.
 
     One self-contained HTML file (no network request; works from file://) with controls for
-    parameters, GPUs, GPU memory, precision, optimizer and offload, a chart, the figures, a
-    fits / does-not-fit verdict per stage and the formula behind each figure, computed from
-    the same rules as `fxzero estimate --params`. The view's state is the address's fragment
-    (wall.html#params=7.5e9&gpus=64), so a view can be shared. Activations are not included yet.
+    parameters, GPUs, GPU memory, precision, optimizer and offload, and for activations
+    (sequence, micro-batch, layers, width, heads, recompute none / unit / selective, fused
+    attention, dropout), a chart, the figures, a fits / does-not-fit verdict per stage and the
+    formula behind each figure. Model states follow `fxzero estimate --params`; activations
+    Megatron's per-layer formula (fxzero.activation_estimate.megatron_per_layer) times the
+    layers. The view's state is the address's fragment
+    (wall.html#params=7.5e9&gpus=64&seq=2048&mb=1&recompute=unit), so a view can be shared.
     """
     from fxzero.viz.wall import render_wall
 
