@@ -5,8 +5,9 @@
 #
 # docs/graph-gpt-tiny.svg  `fxzero graph --collapse` of a 2-block GPT, ZeRO-3 on 2 ranks
 # docs/memory-gpt-tiny.png `fxzero schedule --plot` of the same program
-# docs/wall.png            `fxzero wall` at #params=7.5e9&gpus=64 (the ZeRO paper's Table 1), as
-#                          Debian's chromium shows it (playwright; scripts/setup.sh installs both)
+# docs/wall.png            `fxzero wall` at #params=7.5e9&gpus=64 (the ZeRO paper's Table 1) with
+#                          activations (seq 2048, micro-batch 8), as Debian's chromium shows it
+#                          (playwright; scripts/setup.sh installs both)
 # docs/site-{home,guide,api}.png  the documentation site's home, the FSDP2 guide and the Config
 #                          reference, built by mkdocs and shown in the same chromium
 # docs/schedule-explorer.png `fxzero schedule --html` of a 2-rank `fxzero train` of that GPT (2 steps)
@@ -28,7 +29,7 @@ from playwright.sync_api import sync_playwright
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
     tab = browser.new_page(viewport={"width": 1100, "height": 800})
-    tab.goto(pathlib.Path(sys.argv[1]).as_uri() + "#params=7.5e9&gpus=64")
+    tab.goto(pathlib.Path(sys.argv[1]).as_uri() + "#params=7.5e9&gpus=64&seq=2048&mb=8")
     tab.screenshot(path="docs/wall.png", full_page=True)
     browser.close()
 EOF
