@@ -96,7 +96,9 @@ class ComputeRates:
       of a small model, gets a lower share of the peak; issue 26 found one efficiency for every
       size over-predicted 125M models by 1.33-1.41x);
     - attention (fused SDPA, whose backward recomputes): FLOPs at `attention_efficiency` of the
-      matmul rate (flash attention runs at ~0.43x the matmul rate on A100, ~0.33x on H100);
+      matmul rate (issue 26 measured ~0.43x on A100, ~0.33x on H100 per FLOP the kernel does;
+      the FLOPs here are torch's SDPA formula's, which counts the whole score matrix, twice a
+      causal kernel's work; fitted to MosaicML's published rows: 0.72-0.73 A100, 0.47 H100);
     - memory (element-wise ops, norms, reductions): bytes read and written at
       `memory_efficiency` x the memory bandwidth;
     - view: nothing (no kernel).

@@ -4,9 +4,11 @@ The GPU cluster presets ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb") ar
 GPUs: NVLink inside a node, one NIC per GPU between nodes (`Topology`), compute per op kind
 (`ComputeRates`). They take the schedule's world size, so one program is priced for 8, 64 or
 512 GPUs (`CostModel.at_world` prices a program compiled for fewer ranks at more). Their peak
-rates and bandwidths are the vendors' published figures; their matmul efficiencies were
-calibrated by `tools/check_published.py` on one named row of MosaicML's published table each
-(docs/simulator.md); the attention efficiencies are issue 26's measured ratios.
+rates and bandwidths are the vendors' published figures; their matmul and fused-attention
+efficiencies are what `tools/check_published.py` fits on two named rows of MosaicML's published
+table per GPU type (MPT-1B on 8 GPUs at sequence 2048 and 16384; docs/simulator.md), rounded;
+H200 takes H100's (no published rows). The attention efficiency is per FLOP of torch's SDPA
+formula, which counts the whole score matrix: a causal kernel does half that work.
 """
 
 from __future__ import annotations
@@ -77,15 +79,15 @@ PRESETS.update({
     # DGX A100: NVLink 3 (~230 GB/s NCCL bus bandwidth), 8 x 200 Gb/s RoCE per node (MosaicML's
     # "1600 Gbps node-node interconnect"): 25 GB/s per GPU. HBM2 1.56 TB/s (40 GB), HBM2e 2.04 TB/s (80 GB).
     "a100-40gb": _gpu_cluster("a100-40gb", peak=_A100, hbm=gbps(1555), memory_gib=40, nvlink=gbps(230),
-                              nic=gbps(25), matmul_efficiency=0.70, attention_efficiency=0.43),
+                              nic=gbps(25), matmul_efficiency=0.86, attention_efficiency=0.72),
     "a100-80gb": _gpu_cluster("a100-80gb", peak=_A100, hbm=gbps(2039), memory_gib=80, nvlink=gbps(230),
-                              nic=gbps(25), matmul_efficiency=0.70, attention_efficiency=0.43),
+                              nic=gbps(25), matmul_efficiency=0.84, attention_efficiency=0.73),
     # H100 / H200 SXM: NVLink 4 (~360 GB/s ring bus bandwidth), 400 Gb/s InfiniBand per GPU;
     # HBM3 3.35 TB/s (80 GB), HBM3e 4.8 TB/s (141 GB).
     "h100-80gb": _gpu_cluster("h100-80gb", peak=_H100, hbm=gbps(3350), memory_gib=80, nvlink=gbps(360),
-                              nic=gbps(50), matmul_efficiency=0.55, attention_efficiency=0.33),
+                              nic=gbps(50), matmul_efficiency=0.73, attention_efficiency=0.47),
     "h200-141gb": _gpu_cluster("h200-141gb", peak=_H100, hbm=gbps(4800), memory_gib=141, nvlink=gbps(360),
-                               nic=gbps(50), matmul_efficiency=0.55, attention_efficiency=0.33),
+                               nic=gbps(50), matmul_efficiency=0.73, attention_efficiency=0.47),
 })
 
 
