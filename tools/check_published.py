@@ -231,12 +231,24 @@ def check(rows: list[dict], *, cache: str | None = None, one_row: bool = False, 
     }
 
 
+def markdown(result: dict) -> str:
+    """The rows as a markdown table: published and predicted tokens/s per GPU."""
+    lines = ["| line | model | GPU | GPUs | seq | micro-batch | GA | sharding | published | predicted | ratio |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['source_line']} | {r['model']} | {r['gpu']} | {r['gpus']} | {r['seq_len']} | "
+                     f"{r['micro_batch']} | {r['grad_accum']} | {r['sharding']} | {r['published']:.0f} | "
+                     f"{r['predicted']:.0f} | {r['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=str, default=None,
                         help="comma-separated source_line numbers of the table to check (default: all)")
     parser.add_argument("--cache", default=None, help="directory for compiled schedules (reruns skip compiling)")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--markdown", default=None, help="write the rows as a markdown table here (docs/simulator.md)")
     parser.add_argument("--one-row", action="store_true",
                         help="fit the matmul efficiency only (one row per GPU type), attention at issue 26's ratio")
     args = parser.parse_args(argv)
@@ -265,6 +277,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(result))
     return 0
 
 
