@@ -106,7 +106,7 @@ class ComputeRates:
     """
 
     peak_flops: dict[str, float]
-    """Dense peak FLOP/s by the dtype computed in ("bfloat16", "float16", "float32" (TF32))."""
+    """Dense peak FLOP/s by the dtype computed in ("bfloat16", "float16", "float32")."""
     matmul_efficiency: float
     """Fraction of the peak a large matmul sustains (calibrated: `tools/check_published.py`)."""
     attention_efficiency: float
@@ -116,7 +116,8 @@ class ComputeRates:
     launch_s: float = 3e-6
     """Per kernel: launch and tail, what a stream of small kernels pays each."""
     default_dtype: str = "bfloat16"
-    """The dtype an instruction that names none (attention's tuple of outputs) computes in."""
+    """The dtype an instruction that names none computes in, unless it makes 4 bytes an element
+    (`compute_dtype`)."""
 
     def __post_init__(self) -> None:
         if not self.peak_flops or self.default_dtype not in self.peak_flops:
@@ -129,15 +130,24 @@ class ComputeRates:
         return self.matmul_efficiency * self.peak_flops.get(dtype or self.default_dtype,
                                                             self.peak_flops[self.default_dtype])
 
+    def compute_dtype(self, ins: Instruction) -> str:
+        """The dtype `ins` computes in: its own, or for an op of several outputs that names none
+        (attention: its output and a float32 logsumexp) float32 where it makes 4 bytes an element
+        (fp32 attention, the memory-efficient kernel), else `default_dtype`."""
+        if ins.dtype:
+            return ins.dtype
+        return "float32" if ins.numel and ins.bytes >= 3 * ins.numel and "float32" in self.peak_flops \
+            else self.default_dtype
+
     def seconds(self, ins: Instruction, mem_bytes_per_s: float) -> float:
         kind = op_kind(ins)
         moved = ins.read_bytes + ins.bytes
         if kind == "view":
             return 0.0
         if kind == "attention":
-            return self.launch_s + ins.flops / (self.attention_efficiency * self.matmul_flops_per_s(ins.dtype))
+            return self.launch_s + ins.flops / (self.attention_efficiency * self.matmul_flops_per_s(self.compute_dtype(ins)))
         if kind == "matmul":
-            return self.launch_s + ins.flops / self.matmul_flops_per_s(ins.dtype) + moved / mem_bytes_per_s
+            return self.launch_s + ins.flops / self.matmul_flops_per_s(self.compute_dtype(ins)) + moved / mem_bytes_per_s
         return self.launch_s + moved / (self.memory_efficiency * mem_bytes_per_s)
 
 

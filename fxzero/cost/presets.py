@@ -71,9 +71,11 @@ def _gpu_cluster(name: str, *, peak: dict[str, float], hbm: float, memory_gib: f
     )
 
 
-# Dense tensor-core peaks (NVIDIA's A100 and H100 SXM datasheets; float32 is TF32).
-_A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}
-_H100 = {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}
+# Dense peaks (NVIDIA's A100 and H100 SXM datasheets): tensor cores for bf16 / fp16; float32
+# without them (19.5 / 67 TFLOP/s), as torch runs fp32 matmuls unless
+# torch.backends.cuda.matmul.allow_tf32 is set (TF32: 156 / 494 TFLOP/s).
+_A100 = {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}
+_H100 = {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12}
 
 PRESETS.update({
     # DGX A100: NVLink 3 (~230 GB/s NCCL bus bandwidth), 8 x 200 Gb/s RoCE per node (MosaicML's

@@ -93,10 +93,15 @@ def test_compute_is_priced_per_op_kind():
     assert a100.compute_seconds(gelu) == pytest.approx(3e-6 + 6e8 / (0.8 * hbm), rel=REL)
     view = _ins("view_12")
     assert op_kind(view) == "view" and a100.compute_seconds(view) == 0.0
-    # float32 matmuls run at TF32's peak.
+    # float32 matmuls run without tensor cores (torch's default: no TF32): 19.5 TFLOP/s.
     mm32 = dataclasses.replace(mm, dtype="float32")
     assert a100.compute_seconds(mm32) == pytest.approx(
-        3e-6 + mm.flops / (r.matmul_efficiency * 156e12) + (mm.bytes + mm.read_bytes) / hbm, rel=REL)
+        3e-6 + mm.flops / (r.matmul_efficiency * 19.5e12) + (mm.bytes + mm.read_bytes) / hbm, rel=REL)
+    # An fp32 attention (the memory-efficient kernel: 4 bytes an element made, dtype unnamed)
+    # computes in float32 too.
+    attn32 = _ins("_scaled_dot_product_efficient_attention", flops=10**12, nbytes=4 * 10**6, dtype="")
+    attn32 = dataclasses.replace(attn32, numel=10**6)
+    assert a100.compute_seconds(attn32) == pytest.approx(3e-6 + 1e12 / (0.73 * r.matmul_efficiency * 19.5e12), rel=REL)
 
 
 def test_a_small_matmul_gets_a_smaller_share_of_the_peak():
