@@ -14,7 +14,7 @@ and writes it all as JSON.
 How a row is priced ([Note: pricing a published row]):
 - The model is compiled with 2 and with 3 blocks; the step of L blocks is the 2-block step plus
   L - 2 times the difference (every block is the same unit, gathered, computed and reduced the
-  same way), which keeps 76 distinct shapes, from 125M to 13B parameters, to seconds each.
+  same way), which keeps 77 distinct shapes, from 125M to 13B parameters, to seconds each.
 - A program compiled for 8 ranks is priced at the row's world size (`CostModel.at_world`): a
   rank's collectives move the same bytes at any world size (the shard padding aside); the
   ring's length and whether it leaves a node change.
