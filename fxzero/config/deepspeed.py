@@ -321,13 +321,21 @@ def _low_precision_masters(get: Any, mp: "MixedPrecision | None", offload: Offlo
                           optimizer_dtype=torch.bfloat16 if states else torch.float32)
 
 
-def _activation_checkpointing(notes: list[str]) -> Activations:
+def _activation_checkpointing(section: Any, notes: list[str]) -> Activations:
     """"activation_checkpointing" -> `Activations(recompute="unit")`. DeepSpeed's section configures
     `deepspeed.checkpointing`, which only the model's own calls of its `checkpoint` use (an
     unmodified model checkpoints nothing, DeepSpeed#5704); fxzero recomputes every unit's forward
-    with no model edits, as the section's user asks ([Note: recomputing a unit])."""
+    with no model edits, as the section's user asks ([Note: recomputing a unit]).
+    "cpu_checkpointing" -> `offload=fxzero.Cpu()`: what each unit keeps waits in host memory."""
     notes.append('"activation_checkpointing": every unit\'s forward is recomputed in the backward '
-                 '(Activations(recompute="unit")), the model unmodified; its inputs and dropout\'s draws are kept')
+                 '(Activations(recompute="unit")), the model unmodified; its inputs are kept, and the generator '
+                 "state of each dropout's draw")
+    # (DeepSpeed's default False: ACT_CHKPT_CPU_CHECKPOINTING_DEFAULT, runtime/activation_checkpointing/config.py;
+    # its section's keys are read by deepspeed.checkpointing, outside the runtime's defaults table)
+    if (section or {}).get("cpu_checkpointing", False):
+        notes.append('"activation_checkpointing.cpu_checkpointing": what each unit keeps waits in host memory '
+                     "(Activations(offload=fxzero.Cpu()))")
+        return Activations(recompute="unit", offload=Cpu())
     return Activations(recompute="unit")
 
 
@@ -462,7 +470,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
     )
     fields["autocast"] = _autocast(ds, get, fields["mixed_precision"], notes)
     if ds.get("activation_checkpointing") is not None:
-        fields["activations"] = _activation_checkpointing(notes)
+        fields["activations"] = _activation_checkpointing(ds.get("activation_checkpointing"), notes)
     random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
     if random_ltd is not None:
         fields["random_ltd"] = random_ltd

@@ -302,9 +302,9 @@ KEYS: dict[str, Key] = {
     "activation_checkpointing.partition_activations": _none(
         "splits each checkpoint over model-parallel ranks; fxzero has no model parallelism: each rank keeps its own "
         "micro-batch's unit inputs"),
-    "activation_checkpointing.cpu_checkpointing": _none(
-        "moves checkpoints to host memory; fxzero keeps the units' inputs where the rank computes (activation "
-        "offload is not in fxzero yet)"),
+    "activation_checkpointing.cpu_checkpointing": _used(
+        "Activations(offload=fxzero.Cpu()): what each unit keeps waits in host memory between its forward and its "
+        "backward (on a CPU rank it is there already, which fxzero says once)"),
     "activation_checkpointing.contiguous_memory_optimization": _none(
         "copies checkpoints into one preallocated buffer; fxzero keeps the program's own tensors"),
     "activation_checkpointing.number_checkpoints": _none("sizes that buffer; fxzero keeps one input per unit"),

@@ -82,10 +82,13 @@ def test_the_config_section_recomputes_every_unit_and_names_what_it_cannot_honou
                                                "activation_checkpointing": {"partition_activations": True,
                                                                             "cpu_checkpointing": True,
                                                                             "contiguous_memory_optimization": False}})
-    assert config.activations == fxzero.Activations(recompute="unit")
+    assert config.activations == fxzero.Activations(recompute="unit", offload=fxzero.Cpu())  # (cpu_checkpointing)
     named = sorted(str(w.message).split("'")[1] for w in caught if issubclass(w.category, IneffectiveSetting))
     assert named == ["activation_checkpointing.contiguous_memory_optimization",
-                     "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.partition_activations"]
+                     "activation_checkpointing.partition_activations"]
+    plain = fxzero.Config.from_deepspeed({"train_micro_batch_size_per_gpu": 1,
+                                          "activation_checkpointing": {"cpu_checkpointing": False}})
+    assert plain.activations == fxzero.Activations(recompute="unit")
     with pytest.raises(ValueError, match="activation_checkpointing.bogus"):
         fxzero.Config.from_deepspeed({"activation_checkpointing": {"bogus": 1}})
     assert fxzero.Config.from_deepspeed({"train_micro_batch_size_per_gpu": 1}).activations.recompute == "none"
