@@ -20,10 +20,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.torchrun_ranks import run_ranks  # noqa: E402
 
 POLICIES = ("resident", "nvme")
 
@@ -75,16 +77,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run(policy: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, "--rank-main", "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out, "--recompute",
-               args.recompute, "--nvme-path", args.nvme_path, "--cost-model", args.cost_model]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode:
-            raise RuntimeError(f"{policy}: rank processes failed:\n{proc.stderr[-3000:]}")
-        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.ranks)]
+    return run_ranks(__file__, policy, args.ranks, [
+        "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--recompute", args.recompute, "--nvme-path", args.nvme_path,
+        "--cost-model", args.cost_model], args.timeout)
 
 
 def main() -> None:

@@ -24,10 +24,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.torchrun_ranks import run_ranks  # noqa: E402
 
 POLICIES = ("none", "unit", "selective", "budget", "budget-recompute", "budget-offload")
 """Recompute policies, and the memory budget's planner (--budget-mib) free to recompute and offload
@@ -96,18 +98,11 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run(policy: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, "--rank-main", "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out,
-               "--cost-model", args.cost_model, "--nvme-path", args.nvme_path]
-        if args.budget_mib is not None:
-            cmd += ["--budget-mib", str(args.budget_mib)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode:
-            raise RuntimeError(f"{policy}: rank processes failed:\n{proc.stderr[-3000:]}")
-        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.ranks)]
+    extra = ["--budget-mib", str(args.budget_mib)] if args.budget_mib is not None else []
+    return run_ranks(__file__, policy, args.ranks, [
+        "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--cost-model", args.cost_model, "--nvme-path", args.nvme_path, *extra],
+        args.timeout)
 
 
 def main() -> None:

@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.torchrun_ranks import run_ranks  # noqa: E402
 
 MODES = ("untiled", "tiled")
 
@@ -99,21 +100,15 @@ def rank_main(args: argparse.Namespace) -> None:
             "all_gather_bytes": engine.comm_report()["all_gather"]["bytes"], "peak_rss_bytes": hwm,
             "tiles": len(tiles), "tile_bytes": max((units[u] for u in tiles), default=0),
             "largest_other_unit_bytes": max(b for u, b in units.items() if u not in tiles), "losses": losses}
-    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:  # (the ranks' stdout interleaves)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # (the ranks' stdout interleaves)
         json.dump(line, f)
 
 
 def run(mode: str, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, "--rank-main", "--mode", mode, "--out-dir", out,
-               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                 ("seq", "batch", "steps", "warmup", "d_in", "hidden", "out_features", "bottleneck", "max_mib")]]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        if proc.returncode:
-            raise RuntimeError(f"{mode}: rank processes failed:\n{proc.stderr[-3000:]}")
-        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.ranks)]
+    return run_ranks(__file__, mode, args.ranks, [
+        "--mode", mode, *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                          ("seq", "batch", "steps", "warmup", "d_in", "hidden", "out_features", "bottleneck", "max_mib")]],
+        args.timeout)
 
 
 def main() -> None:
@@ -132,12 +127,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--mode", choices=MODES, default="untiled", help=argparse.SUPPRESS)
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out-dir", dest="out_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_main:
         return rank_main(args)
     print(json.dumps({"event": "config", **{k: v for k, v in vars(args).items()
-                                            if k not in ("mode", "rank_main", "out_dir")}}))
+                                            if k not in ("mode", "rank_main", "out")}}))
     results: dict[str, list[list[dict]]] = {m: [] for m in MODES}
     for r in range(args.rounds):
         for mode in MODES:
