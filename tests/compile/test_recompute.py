@@ -241,3 +241,35 @@ def test_memory_report_counts_the_activations_kept_until_the_backward():
         assert engine.memory_report()["activations"] == 0
         assert engine.memory_report()["activations_peak"] >= held[recompute] > 0
     assert held["unit"] < 0.5 * held["none"]
+
+
+def _train_llama(checkpointed: bool) -> tuple[list[float], dict, dict, int]:
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    model = transformers.LlamaForCausalLM(config)
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None), state_dict=state)
+    losses = []
+    for ids in _batches(3):
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return losses, engine.full_state_dict(), engine.comm_report(), _bytes(_saved(engine))
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_a_llama_that_checkpoints_itself_trains_as_the_resident_run_bit_for_bit():
+    """Hugging Face Llama after gradient_checkpointing_enable(): each decoder layer a recompute
+    region, the steps equal fxzero's resident run bit for bit with the same collectives, and
+    less kept for the backward."""
+    want, expected, traffic, resident = _train_llama(checkpointed=False)
+    got, state, checkpointed_traffic, kept = _train_llama(checkpointed=True)
+    assert got == want
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert checkpointed_traffic == traffic
+    assert kept < resident
