@@ -33,20 +33,22 @@ def test_the_policies_run_side_by_side_with_equal_losses():
 
 
 def test_the_budget_planner_runs_beside_recompute_only_and_offload_only(tmp_path):
-    """--policies none budget budget-recompute budget-offload --budget-mib: each budget run holds
-    at most the budget and trains as the resident run; the summary gives the planner's step over
-    the faster single mechanism (a figure, not asserted: tests never assert a time)."""
+    """--policies budget budget-recompute budget-offload --budget-mib: each run holds at most the
+    budget, both single mechanisms had to act, and all three train alike bit for bit; the summary
+    gives the planner's step over the faster single mechanism (a figure, not asserted: tests never
+    assert a time)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "recompute_memory.py"), "--seq", "64",
-                           "--batch", "2", "--rounds", "1", "--steps", "1", "--policies", "none", "budget",
+                           "--batch", "2", "--rounds", "1", "--steps", "1", "--policies", "budget",
                            "budget-recompute", "budget-offload", "--budget-mib", "4", "--nvme-path", str(tmp_path)],
                           capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     summary = lines[-1]
     for policy in ("budget", "budget-recompute", "budget-offload"):
-        assert summary[f"{policy}_within_budget"] is True and summary[f"{policy}_losses_equal"] is True
-    assert summary["held_peak_bytes"]["none"] > 4 * 2**20  # (the budget binds)
+        assert summary[f"{policy}_within_budget"] is True
     assert "budget_over_best_single" in summary
     plans = {line["policy"]: line["plan"] for line in lines if line["event"] == "rank"}
     assert plans["budget-offload"]["budget_recomputed"] == 0 and plans["budget-offload"]["offloaded_bytes"] > 0
-    assert plans["budget-recompute"]["budget_recomputed"] > 0
+    assert plans["budget-recompute"]["budget_recomputed"] > 0  # (the budget binds: both had to act)
+    losses = {line["policy"]: line["losses"] for line in lines if line["event"] == "rank" and line["rank"] == 0}
+    assert losses["budget"] == losses["budget-recompute"] == losses["budget-offload"]
