@@ -7,8 +7,9 @@ the CLI both start from its result.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,11 +21,11 @@ from fxzero.passes.tile import plan_tiles
 from fxzero.schedule import build_schedule
 from fxzero.schedule.compiled import CompiledProgram
 from fxzero.target_device import target_device
-from fxzero.trace import trace_joint
+from fxzero.trace import TracedJoint, trace_joint
 from fxzero.ir.layout import UnitLayout
 from fxzero.units import bucket_units, persistent_units, plan_units
 
-__all__ = ["compile_program", "plan_layouts"]
+__all__ = ["compile_program", "plan_layouts", "trace_for"]
 
 
 def plan_layouts(model: nn.Module, config: Config, world_size: int, cost_model=None,
@@ -71,6 +72,16 @@ def recompute_scopes(model: nn.Module, config: Config, forward_only: bool = Fals
     return tuple(lay.name for lay in plan_units(model, config.units, 1) if lay.name in modules and lay.name)
 
 
+def trace_for(model: nn.Module, example_inputs: Sequence[Any], config: Config, *, layouts: list[UnitLayout],
+              kwargs: Mapping[str, Any] | None = None, forward_only: bool = False, device: Any = "cpu") -> TracedJoint:
+    """The joint graph `compile_program` rewrites: `model` traced under `config`'s mixed precision
+    and recompute regions, with the units of `layouts` trainable."""
+    mp = config.mixed_precision
+    return trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
+                       forward_only=forward_only, device=device, scopes=recompute_scopes(model, config, forward_only),
+                       trainable={s.fqn for lay in layouts if lay.trainable for s in lay.slots})
+
+
 def compile_program(
     model: nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -82,6 +93,7 @@ def compile_program(
     kwargs: Mapping[str, Any] | None = None,
     forward_only: bool = False,
     device: Any = "cpu",
+    traced: Optional[TracedJoint] = None,
 ) -> CompiledProgram:
     """Trace `model(*example_inputs, **kwargs)` (tensors give shapes and dtypes; other arguments
     are constants of the program) and schedule it for `world_size` ranks.
@@ -95,15 +107,20 @@ def compile_program(
         device: the device type the program runs on ("cpu" or "cuda"): its kernels and the
             tensors it creates are that device's, whatever machine compiles it
             ([Note: tracing for a device] in `fxzero/target_device.py`).
+        traced: `trace_for`'s trace of this model and call under a config that traces alike
+            (the same mixed precision, recompute and trainable units; stage, offload and
+            prefetch do not enter the trace): the passes run on a copy of its graph, so one
+            trace serves several configs (`fxzero plan` compiles one per stage and offload).
     """
     if layouts is None:
         layouts = plan_layouts(model, config, world_size, cost_model)
     if forward_only:
         layouts = [dataclasses.replace(layout, trainable=False) for layout in layouts]
-    mp = config.mixed_precision
-    traced = trace_joint(model, example_inputs, kwargs=kwargs, param_dtype=mp.param_dtype if mp is not None else None,
-                         forward_only=forward_only, device=device, scopes=recompute_scopes(model, config, forward_only),
-                         trainable={s.fqn for lay in layouts if lay.trainable for s in lay.slots})
+    if traced is None:
+        traced = trace_for(model, example_inputs, config, layouts=layouts, kwargs=kwargs, forward_only=forward_only,
+                           device=device)
+    else:  # (the passes rewrite the graph in place: a copy keeps the trace for the next config)
+        traced = dataclasses.replace(traced, gm=copy.deepcopy(traced.gm))
     ctx = PassContext(layouts=layouts, signature=traced.signature, world_size=world_size)
     joint, records = run_pipeline(traced.gm, ctx, build_pipeline(config, layouts, cost_model))
     schedule = build_schedule(

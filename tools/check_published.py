@@ -14,7 +14,8 @@ and writes it all as JSON.
 How a row is priced ([Note: pricing a published row]):
 - The model is compiled with 2 and with 3 blocks; the step of L blocks is the 2-block step plus
   L - 2 times the difference (every block is the same unit, gathered, computed and reduced the
-  same way), which keeps 77 distinct shapes, from 125M to 13B parameters, to seconds each.
+  same way: [Note: pricing by depth] in `fxzero/plan/extrapolate.py`, which `fxzero plan` uses
+  too), which keeps 77 distinct shapes, from 125M to 13B parameters, to seconds each.
 - A program compiled for 8 ranks is priced at the row's world size (`CostModel.at_world`): a
   rank's collectives move the same bytes at any world size (the shard padding aside); the
   ring's length and whether it leaves a node change.
@@ -37,19 +38,16 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fxzero
 from fxzero import cost
-from fxzero.compiler import compile_program
 from fxzero.config.precision import MixedPrecision
+from fxzero.plan.extrapolate import NextTokenLoss, compile_at_depth, extrapolate, micro_and_step, repeated_blocks
 from fxzero.schedule.types import Schedule
 from fxzero.zoo.gpt_model import GPT, GPTConfig
 
@@ -75,19 +73,6 @@ CALIBRATION = {
 }
 
 
-class LMWithLoss(nn.Module):
-    """MPT's training step as a program: logits, then the loss (its softmax over the 50k vocab
-    is a large memory-bound kernel a small model's step spends real time in)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.gpt = GPT(cfg)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(idx)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def load_rows(path: str = TABLE) -> list[dict]:
     """The rows this check uses: bf16, no activation checkpointing, no CPU offload."""
     with open(path, newline="") as f:
@@ -102,25 +87,19 @@ def _key(row: dict) -> tuple:
 
 
 def compile_shape(key: tuple, n_blocks: int, world: int = 8) -> Schedule:
-    """The schedule of one micro-step of `key`'s shape with `n_blocks` blocks, for CUDA ranks."""
+    """The schedule of one micro-step of `key`'s shape with `n_blocks` blocks, for CUDA ranks:
+    the MPT model built at its full depth on the meta device and compiled with its first
+    `n_blocks` (`fxzero.plan.extrapolate.compile_at_depth`), the loss in the program."""
     model, seq, micro, stage, mp_mode = key
-    d_model, n_heads, _ = MPT[model]
-    cfg = GPTConfig(vocab_size=VOCAB, d_model=d_model, n_heads=n_heads, n_blocks=n_blocks, seq_len=seq)
+    d_model, n_heads, n_layers = MPT[model]
+    cfg = GPTConfig(vocab_size=VOCAB, d_model=d_model, n_heads=n_heads, n_blocks=n_layers, seq_len=seq)
     with torch.device("meta"):
-        lm = LMWithLoss(cfg)
+        lm = NextTokenLoss(GPT(cfg))
     idx = torch.zeros(micro, seq, dtype=torch.long, device="meta")
     reduce = torch.float32 if mp_mode == "DEFAULT" else None  # PURE reduces in bf16
     config = fxzero.Config(stage=stage, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return compile_program(lm, (idx, idx), config, world_size=world, device="cuda").schedule
-
-
-def micro_and_step(schedule: Schedule, model: cost.CostModel) -> tuple[float, float]:
-    """(seconds of one micro-step: until the step program starts; seconds of the step program)."""
-    sim = cost.simulate(schedule, model)
-    step_start = min((e.start for e in sim.events if e.program == "step"), default=sim.step_seconds)
-    return step_start, sim.step_seconds - step_start
+    blocks, _ = repeated_blocks(lm)
+    return compile_at_depth(lm, n_blocks, (idx, idx), config, world_size=world, device="cuda", blocks=blocks).schedule
 
 
 def predict(row: dict, schedules: tuple[Schedule, Schedule], model: cost.CostModel) -> dict:
@@ -128,8 +107,8 @@ def predict(row: dict, schedules: tuple[Schedule, Schedule], model: cost.CostMod
     at = model.at_world(int(row["gpus"]))
     (m2, s2), (m3, s3) = (micro_and_step(s, at) for s in schedules)
     layers = MPT[row["model"]][2]
-    micro_s = m2 + (layers - 2) * (m3 - m2)
-    step_s = s2 + (layers - 2) * (s3 - s2)
+    micro_s = extrapolate(m2, m3, layers)
+    step_s = extrapolate(s2, s3, layers)
     ga = int(row["grad_accum"])
     seconds = ga * micro_s + step_s
     tokens = int(row["micro_batch"]) * int(row["seq_len"]) * ga

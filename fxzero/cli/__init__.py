@@ -4,6 +4,7 @@
     fxzero graph DIR|MODEL             graphviz drawing of the rewritten program
     fxzero schedule DIR|MODEL          the instruction stream, a Chrome trace, a memory plot
     fxzero estimate --params N|MODEL   per-rank memory of model states by ZeRO stage
+    fxzero plan MODEL --gpus N         rank configurations on a cluster (--preset); write the best
     fxzero train MODEL --ranks N       train on N local ranks (torchrun) and record the artifacts
     fxzero export CKPT_DIR OUT         a checkpoint's model as one safetensors file (HF-loadable)
     fxzero run [--num_gpus N] SCRIPT   a DeepSpeed program, unchanged: `import deepspeed` is fxzero
@@ -20,6 +21,7 @@ from fxzero.cli.compile_cmd import compile_command
 from fxzero.cli.estimate_cmd import estimate_command
 from fxzero.cli.export_cmd import export_command
 from fxzero.cli.graph_cmd import graph_command
+from fxzero.cli.plan_cmd import plan_command
 from fxzero.cli.run_cmd import run_command
 from fxzero.cli.schedule_cmd import schedule_command
 from fxzero.cli.train_cmd import train_command
@@ -56,6 +58,7 @@ main.add_command(compile_command)
 main.add_command(graph_command)
 main.add_command(schedule_command)
 main.add_command(estimate_command)
+main.add_command(plan_command)
 main.add_command(train_command)
 main.add_command(export_command)
 main.add_command(run_command)

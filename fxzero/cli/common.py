@@ -30,6 +30,10 @@ HARDWARE_DESCRIPTIONS = {
     "cpu-loopback": "this kind of box: 2 CPU cores, gloo over loopback, one thread per rank",
     "h100x8-nvlink": "8 x H100 SXM on NVLink 4, fp32 without tensor cores",
     "h100x64-ib400": "64 x H100 (8 nodes) on 400 Gb/s InfiniBand, fp32 without tensor cores",
+    "a100-40gb": "A100 SXM 40 GB, nodes of 8 on NVLink 3, 8 x 200 Gb/s RoCE per node",
+    "a100-80gb": "A100 SXM 80 GB, nodes of 8 on NVLink 3, 8 x 200 Gb/s RoCE per node",
+    "h100-80gb": "H100 SXM 80 GB, nodes of 8 on NVLink 4, 400 Gb/s InfiniBand per GPU",
+    "h200-141gb": "H200 SXM 141 GB, nodes of 8 on NVLink 4, 400 Gb/s InfiniBand per GPU",
 }
 
 

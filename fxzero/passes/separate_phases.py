@@ -32,9 +32,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxzero.ir.alias import alias_root, alias_source
 from fxzero.ir.rng import STATE_BYTES, replay, rng_state
 from fxzero.ir.sizes import nbytes
-from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, output_node, phase, positions, tag
+from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, kind, output_node, phase, positions, tag
 from fxzero.passes.activation_budget import plan_recompute
 from fxzero.passes.recompute_cut import selective_cut
 from fxzero.passes.runner import Pass, PassContext, PassResult
@@ -116,6 +117,23 @@ def _sizes_into_forward(graph: fx.Graph) -> int:
 _SCOPE = "fxzero_scope"
 
 
+def _sink_backward_views(graph: fx.Graph) -> int:
+    """Every backward view of a forward value (a `detach` autograd took of a tensor it saved) moves
+    to just before its first reader. The trace leaves such views where the forward made the
+    tensor, so the backward program would start with them, and a value a recompute region
+    rebuilds for one of them would be recomputed there, every unit's at the backward's start,
+    all alive at once (what recomputing is to avoid); views move no data. Returns how many moved."""
+    moved = 0
+    for n in reversed([n for n in graph.nodes if n.op == "call_function" and phase(n) == BACKWARD]):
+        if kind(n) is None and n.users and alias_source(n) is not None and phase(alias_root(n)) == FORWARD:
+            order = positions(graph)
+            first = min(n.users, key=order.__getitem__)
+            if order[first] > order[n] + 1:
+                first.prepend(n)
+                moved += 1
+    return moved
+
+
 def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     """[Note: recomputing a unit] A deterministic forward tensor computed inside a recompute
     region (a unit's module, a torch.utils.checkpoint call: [Note: recompute regions] in
@@ -182,6 +200,11 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
             tag(node, phase=FORWARD if node in forward else BACKWARD)
     sizes_moved = _sizes_into_forward(graph)
 
+    # (Only where a region or a budget recomputes: a program that recomputes parameter views
+    # alone keeps the order the trace gave it.)
+    views_sunk = _sink_backward_views(graph) if budget is not None or recompute == "selective" or any(
+        _SCOPE in n.meta for n in graph.nodes) else 0
+
     memo: dict[fx.Node, bool] = {}
     interior: dict[fx.Node, bool] = {}
     clones: dict[fx.Node, fx.Node] = {}
@@ -229,7 +252,8 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
 
     graph.eliminate_dead_code()
     n_fwd = sum(1 for n in graph.nodes if phase(n) == FORWARD)
-    summary = {"forward_nodes": n_fwd, "recomputed_in_backward": recomputed, "sizes_from_forward": sizes_moved}
+    summary = {"forward_nodes": n_fwd, "recomputed_in_backward": recomputed, "sizes_from_forward": sizes_moved,
+               "views_sunk": views_sunk}
     if cut is not None:
         summary.update(cut.summary())
     return PassResult(gm, changed=True, summary=summary)

@@ -55,6 +55,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "llama-tiny": lambda **kw: llama("tiny", **kw),
     "llama-small": lambda **kw: llama("small", **kw),
     "llama-7b": lambda **kw: llama("7b", **kw),
+    "llama3-8b": lambda **kw: llama("3-8b", **kw),
+    "llama3-70b": lambda **kw: llama("3-70b", **kw),
     "cnn": lambda **kw: CNN(replace_fields(CNNConfig(), kw)),
 }
 """Model builders by name; each takes config-field overrides as keyword arguments."""
@@ -68,7 +70,7 @@ def build(name: str, **overrides) -> nn.Module:
 
     Args:
         name: One of `MODELS`: "gpt-tiny", "gpt-small", "gpt2", "gpt-1b", "gpt-2b", "llama-tiny",
-            "llama-small", "llama-7b", "cnn".
+            "llama-small", "llama-7b", "llama3-8b", "llama3-70b" (Meta's published shapes), "cnn".
         **overrides: Fields of the model's config to change, e.g. `build("gpt-tiny", n_blocks=2)`.
 
     Raises:

@@ -179,6 +179,15 @@ LLAMA_SIZES: dict[str, LlamaConfig] = {
     "small": LlamaConfig(vocab_size=8192, d_model=512, n_heads=8, n_blocks=8, hidden=1408, seq_len=128),
     # Llama (1 and 2) 7B: 32 blocks of width 4096, 6.74B parameters.
     "7b": LlamaConfig(vocab_size=32000, d_model=4096, n_heads=32, n_blocks=32, hidden=11008, seq_len=2048),
+    # Llama 3 8B and 70B as Meta published them: params.json of meta-llama/Meta-Llama-3-8B and
+    # -70B (dim, n_layers, n_heads, n_kv_heads, vocab_size, norm_eps 1e-5, rope_theta 500000;
+    # the SwiGLU width, 14336 and 28672, from ffn_dim_multiplier 1.3 and multiple_of 1024 / 4096,
+    # as their config.json's intermediate_size states), at their 8192-token context. 8.03B and
+    # 70.6B parameters (untied embedding and head of 128256 tokens).
+    "3-8b": LlamaConfig(vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8, n_blocks=32, hidden=14336,
+                        seq_len=8192, rope_theta=500000.0),
+    "3-70b": LlamaConfig(vocab_size=128256, d_model=8192, n_heads=64, n_kv_heads=8, n_blocks=80, hidden=28672,
+                         seq_len=8192, rope_theta=500000.0),
 }
 """Named Llama shapes for `llama(size)`."""
 
@@ -187,7 +196,7 @@ def llama(size: str, **overrides) -> Llama:
     """Build a Llama-style decoder of a named size.
 
     Args:
-        size: One of `LLAMA_SIZES` ("tiny", "small", "7b").
+        size: One of `LLAMA_SIZES` ("tiny", "small", "7b", "3-8b", "3-70b").
         **overrides: LlamaConfig fields to change, e.g. `n_blocks=4`.
 
     Raises:

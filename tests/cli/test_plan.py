@@ -1,0 +1,199 @@
+"""`fxzero plan`: the ranking against full compiles priced on a hand-made cluster, what does not fit
+never chosen, the written ds_config.json read back as the printed Config, the depth extrapolation
+against a full compile, and the user's mistakes as one line each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import fxzero
+from fxzero import cost
+from fxzero.compiler import compile_program
+from fxzero.config import Activations, Config
+from fxzero.modelspec import build_model
+from fxzero.plan import Candidate, NextTokenLoss, extrapolate, plan, price, python_snippet
+from fxzero.plan.extrapolate import repeated_blocks, with_depth
+from fxzero.plan.grid import OFFLOADS, RECOMPUTES, STAGES
+from tests.cli.conftest import invoke
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = "llama-small(n_blocks=4, seq_len=32)"  # 4 blocks of 3.2M parameters: sharded at ZeRO-3
+GPUS, GLOBAL = 2, 4  # micro-batches 1 x 2 and 2 x 1
+
+# Collectives and transfers at 2 ms of latency each, compute fast: each collective and transfer
+# costs more than the model's compute, so fewer micro-steps (a larger micro-batch) and no offload
+# (no transfers) must be faster, whatever the model's FLOPs.
+HAND = cost.CostModel(
+    name="hand-made", flops_per_s=1e13, mem_bytes_per_s=1e12, op_overhead_s=1e-7,
+    links={k: cost.Link(bandwidth=1e10, latency=2e-3) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+    io={k: cost.Link(bandwidth=1e10, latency=2e-3) for k in ("cpu_read", "cpu_write")},
+    device_memory_bytes=1 << 40,
+)
+
+
+def _model() -> torch.nn.Module:
+    return NextTokenLoss(build_model(SMALL))
+
+
+def _call(micro_batch: int):
+    idx = torch.zeros(micro_batch, 32, dtype=torch.long)
+    return (idx, idx), {}
+
+
+def _full_step(model, candidate: Candidate) -> float:
+    """The candidate's step from its full-depth program, compiled and simulated here."""
+    config = candidate.config(GPUS)
+    args, _ = _call(candidate.micro_batch)
+    compiled = compile_program(model, args, config, world_size=GPUS, device="cuda")
+    sim = cost.simulate(compiled.schedule, HAND)
+    step_start = min(e.start for e in sim.events if e.program == "step")
+    return candidate.accumulation * step_start + (sim.step_seconds - step_start)
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    model = _model()
+    return model, plan(model, _call, gpus=GPUS, global_batch=GLOBAL, hardware=HAND, tokens_per_sample=32)
+
+
+def test_the_ranking_follows_full_compiles_priced_on_a_hand_made_cluster(ranked):
+    model, result = ranked
+    keys = [(r.candidate.stage, r.candidate.micro_batch, r.candidate.offload) for r in result.rows]
+    # Everything fits in 1 TiB: one recompute policy each ("none": more only adds compute).
+    assert all(r.fits and r.candidate.recompute == "none" for r in result.rows)
+    assert sorted(keys) == sorted((s, b, o) for s in STAGES for b in (1, 2) for o in OFFLOADS)
+    full = [_full_step(model, r.candidate) for r in result.rows]
+    for row, step in zip(result.rows, full):
+        assert row.step_seconds == pytest.approx(step, rel=1e-9)
+        assert row.tokens_per_s_per_gpu == pytest.approx(GLOBAL // GPUS * 32 / step, rel=1e-9)
+    assert full == sorted(full)
+    # What the cluster's latencies say: at every stage, the larger micro-batch and no offload first.
+    for stage in STAGES:
+        assert keys.index((stage, 2, "none")) < keys.index((stage, 1, "none")) < keys.index((stage, 1, "cpu"))
+        assert keys.index((stage, 2, "none")) < keys.index((stage, 2, "cpu")) < keys.index((stage, 1, "cpu"))
+    assert keys[0][1:] == (2, "none")
+
+
+def test_what_does_not_fit_is_marked_and_never_chosen(ranked):
+    model, roomy = ranked
+    fastest = roomy.best
+    tight = dataclasses.replace(HAND, device_memory_bytes=int(fastest.peak_bytes) - 1)
+    result = plan(model, _call, gpus=GPUS, global_batch=GLOBAL, hardware=tight, tokens_per_sample=32,
+                  micro_batch=fastest.candidate.micro_batch)
+    rows = {r.candidate: r for r in result.rows}
+    assert not rows[fastest.candidate].fits
+    assert result.best is not None and result.best.candidate != fastest.candidate
+    assert result.best.peak_bytes <= tight.device_memory_bytes
+    fits = [r.fits for r in result.rows]
+    assert fits == sorted(fits, reverse=True)  # every fitting row before every other
+    # The same stage, micro-batch and offload with recompute were compiled, since "none" did not fit.
+    same = [c for c in rows if (c.stage, c.offload) == (fastest.candidate.stage, fastest.candidate.offload)]
+    assert {c.recompute for c in same} > {"none"}
+
+
+@pytest.mark.parametrize("recompute, offload", [("unit", "none"), ("selective", "cpu")])  # (none: the ranking test)
+def test_two_and_three_blocks_extrapolate_to_a_full_compile(recompute, offload):
+    model = _model()
+    blocks, depth = repeated_blocks(model)
+    assert (blocks, depth) == ("model.blocks", 4)
+    candidate = Candidate(stage=3, micro_batch=2, accumulation=1, recompute=recompute, offload=offload)
+    config = candidate.config(GPUS)
+    hardware = cost.preset("h100-80gb").at_world(GPUS)
+    args, _ = _call(2)
+    priced = {n: price(compile_program(with_depth(model, blocks, n), args, config, world_size=GPUS, device="cuda"),
+                       config, hardware) for n in (2, 3)}
+    full = price(compile_program(model, args, config, world_size=GPUS, device="cuda"), config, hardware)
+    guess = extrapolate(priced[2], priced[3], depth)
+    # Identical blocks: the fourth costs what the third did, to the rounding of the sums.
+    assert guess.micro_seconds == pytest.approx(full.micro_seconds, rel=1e-9)
+    assert guess.step_seconds == pytest.approx(full.step_seconds, rel=1e-9)
+    assert guess.peak_bytes == full.peak_bytes and guess.forward_flops == full.forward_flops
+
+
+def test_the_backward_recomputes_each_unit_where_its_backward_runs():
+    # Before this, the backward views autograd took of saved tensors (their `detach`) stayed where
+    # the forward made them, so every unit was recomputed at the backward's start, in forward
+    # order, all alive at once.
+    with torch.device("meta"):
+        model = NextTokenLoss(build_model("llama-small(n_blocks=3, seq_len=32)"))
+    args, _ = _call(2)
+    config = Config(activations=Activations(recompute="unit"))
+    backward = compile_program(model, args, config, world_size=GPUS).schedule.program("backward")
+    first = {}
+    for i, ins in enumerate(backward.instructions):
+        if ins.kind == "compute" and ins.unit and ins.unit.startswith("model.blocks."):
+            first.setdefault(ins.unit, i)
+    assert sorted(first, key=first.get) == ["model.blocks.2", "model.blocks.1", "model.blocks.0"]
+
+
+def test_each_candidate_reads_back_from_its_ds_config():
+    for stage in STAGES:
+        for recompute in RECOMPUTES:
+            for offload in OFFLOADS:
+                c = Candidate(stage=stage, micro_batch=2, accumulation=4, recompute=recompute, offload=offload)
+                config = c.config(8)
+                read = Config.from_deepspeed(json.loads(json.dumps(c.deepspeed(8))))
+                if recompute == "selective":  # (no DeepSpeed key: the nearest, and the Config exact)
+                    assert read.activations == Activations(recompute="unit")
+                    read = dataclasses.replace(read, activations=Activations(recompute="selective"))
+                assert read == config
+                assert read.train_batch_size == 64 and read.stage == stage
+                namespace: dict = {}
+                exec(python_snippet(config), namespace)
+                assert namespace["config"] == config
+
+
+def test_the_written_ds_config_is_the_printed_config(runner, tmp_path):
+    out = str(tmp_path / "plan")
+    result = invoke(runner, "plan", SMALL, "--gpus", str(GPUS), "--preset", "h100-80gb", "--global-batch",
+                    str(GLOBAL), "--micro-batch", "2", "-o", out, "--json")
+    printed = json.loads(result.stdout)
+    best = printed["best"]
+    with open(os.path.join(out, "ds_config.json")) as f:
+        ds = json.load(f)
+    assert ds == best["ds_config"]
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * GPUS
+    namespace: dict = {}
+    with open(os.path.join(out, "fxzero_config.py")) as f:
+        code = f.read()
+    assert code == best["fxzero_config"]
+    exec(code, namespace)
+    read = Config.from_deepspeed(ds)
+    if best["recompute"] == "selective":
+        read = dataclasses.replace(read, activations=Activations(recompute="selective"))
+    assert namespace["config"] == read
+    assert printed["rows"][0]["fits"] and printed["rows"][0]["stage"] == best["stage"]
+    assert best["peak_bytes"] <= printed["device_memory_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "h100"], "Error: unknown --preset 'h100': a plan needs a GPU preset that states its memory; "
+                           "choose one of a100-40gb, a100-80gb, h100-80gb, h200-141gb"),
+    (["--preset", "cpu-loopback"], "Error: unknown --preset 'cpu-loopback'"),
+    (["--preset", "h100-80gb", "--global-batch", "9"], "Error: --global-batch 9 is not divisible by --gpus 2 (global "
+                                                       "batch = micro-batch x accumulation x GPUs): give a multiple "
+                                                       "of 2, e.g. --global-batch 8"),
+    (["--preset", "h100-80gb", "--global-batch", "8", "--micro-batch", "3"],
+     "Error: --global-batch 8 is not divisible by --gpus 2 x --micro-batch 3"),
+])
+def test_mistakes_are_one_line_naming_the_fix(runner, args, message):
+    result = invoke(runner, "plan", SMALL, "--gpus", str(GPUS), *args, ok=False)
+    assert result.exit_code == 1
+    assert result.output.startswith(message) and result.output.count("\n") == 1, result.output
+
+
+def test_a_model_without_a_sequence_of_its_own_needs_seq(runner):
+    config = json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "vocab_size": 128})
+    result = invoke(runner, "plan", "transformers:LlamaForCausalLM", "--model-config", config, "--gpus", "2",
+                    "--preset", "h100-80gb", ok=False)
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: --seq is needed: transformers:LlamaForCausalLM has no training sequence "
+                                    "of its own") and "e.g. --seq 4096" in result.output
+    assert result.output.count("\n") == 1, result.output
