@@ -124,10 +124,12 @@ def _selection() -> list[str]:
 
 def _run(selection: list[str], tmp_path: pathlib.Path) -> tuple[int, str]:
     env = {**os.environ, "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1", "DS_UNITTEST_TIMEOUT": "300",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "dist")] + ([os.environ["PYTHONPATH"]]
+                                                                         if os.environ.get("PYTHONPATH") else []))}
     cmd = [sys.executable, "-m", "fxzero.cli", "run", "--num_gpus", "1", "--no_local_rank",
            f"--master_port={free_port()}", "-m", "pytest", "-c", "pytest.ini", "-p", "no:cacheprovider",
-           f"--basetemp={tmp_path / 'ds'}", "-rA", "-q", "--color=no", *selection]
+           f"--basetemp={tmp_path / 'ds'}", "-p", "forkserver_preload", "-rA", "-q", "--color=no", *selection]
     proc = subprocess.run(cmd, cwd=SUBJECTS, env=env, capture_output=True, text=True, timeout=1500)
     return proc.returncode, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # (DeepSpeed's conftest colours)
 
