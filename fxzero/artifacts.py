@@ -338,6 +338,20 @@ def memory_record(compiled, stage: int, optimizer=None, mixed_precision=None) ->
     }
 
 
+def predicted_peak_bytes(compiled, config) -> int:
+    """The step's predicted peak memory per rank: the model states the rank holds plus the largest
+    sum, at any instruction of any program, of gathered parameter buffers, live activations
+    (saved and transient) and gradients. What the program itself holds, not the process: an
+    interpreter's own memory (torch's libraries, allocator slack) comes on top of it."""
+    record = memory_record(compiled, compiled.schedule.stage, config.optimizer, config.mixed_precision)
+    peak = 0
+    for name, live in record["programs"].items():
+        gathered = compiled.schedule.program(name).gathered_bytes
+        for i, g in enumerate(gathered):
+            peak = max(peak, g + live["activations"][i] + live["gradients"][i])
+    return sum(record["model_states"].values()) + peak
+
+
 def record(
     compiled,
     *,

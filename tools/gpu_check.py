@@ -207,19 +207,10 @@ def _host_syncs(engine, loss_fn, ids, dry: bool) -> dict:
 
 
 def _predicted_peak(engine) -> int:
-    """fxzero's prediction of the step's peak device memory: the model states it holds plus the
-    largest sum, at any instruction, of gathered buffers, activations and gradients alive."""
-    from fxzero.artifacts import memory_record
+    """fxzero's prediction of the step's peak device memory (fxzero.artifacts.predicted_peak_bytes)."""
+    from fxzero.artifacts import predicted_peak_bytes
 
-    compiled = engine._stepping.compiled
-    record = memory_record(compiled, compiled.schedule.stage, engine.config.optimizer, engine.config.mixed_precision)
-    states = sum(record["model_states"].values())
-    peak = 0
-    for name, live in record["programs"].items():
-        gathered = compiled.schedule.program(name).gathered_bytes
-        for i, g in enumerate(gathered):
-            peak = max(peak, g + live["activations"][i] + live["gradients"][i])
-    return states + peak
+    return predicted_peak_bytes(engine._stepping.compiled, engine.config)
 
 
 # -- offload, sanitizer, checkpoint ------------------------------------------------------------
