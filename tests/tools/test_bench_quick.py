@@ -28,7 +28,7 @@ from tools.bench.activations import BARS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-SYSTEMS = ["ddp", "fsdp2", "fxzero-stage3", "fxzero-stage3-noprefetch", "ds-zero3",
+SYSTEMS = ["ddp", "fsdp2", "fxzero-stage3", "ds-zero3",
            "fsdp2-ckpt", "ds-zero3-ckpt", "fxzero-stage3-unit", "fxzero-stage3-selective"]
 if HAVE_DEEPSPEED:
     SYSTEMS.append("ds-zero3-offload-cpu")
