@@ -703,7 +703,9 @@ class Engine:
         forwards keep for their backwards (`activations`, `activations_peak`: the storages held,
         so fewer under `Activations(recompute="unit")`), and those written to a tier by
         `Activations(offload=...)`, not counted in `activations` (`activations_cpu`, `activations_nvme`:
-        bytes on the tier now; `_peak`: the most at once; fetched back, they count in `staged`)."""
+        bytes on the tier now; `_peak`: the most at once; fetched back, they count in `staged`), and
+        the freed unit-sized host buffers the executor keeps for reuse (`pooled`, `pooled_peak`:
+        idle, counted in nothing else, yet resident: storage/pool.py)."""
         g = self._gathered
         on_tier = {f"activations_{t}{s}": 0 for t in ("cpu", "nvme") for s in ("", "_peak")}
         if self._stash is not None:
@@ -713,7 +715,8 @@ class Engine:
         unreduced = sum(t.numel() * t.element_size() for t in self._unreduced.values())
         return {**report, "unreduced_grads": unreduced, "model_states": report["model_states"] + unreduced,
                 "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak,
-                "activations": self._activations.current, "activations_peak": self._activations.peak, **on_tier}
+                "activations": self._activations.current, "activations_peak": self._activations.peak, **on_tier,
+                "pooled": self._pool.kept_bytes, "pooled_peak": self._pool.kept_peak}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset

@@ -43,6 +43,8 @@ class BufferPool:
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self.kept_bytes = 0
+        self.kept_peak = 0
+        """The most bytes kept idle at once (memory_report's `pooled_peak`)."""
         self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
         self.reused = 0
         """Buffers handed out again instead of allocated (for tests and reports)."""
@@ -80,6 +82,7 @@ class BufferPool:
             if same_size < min(self.per_size, max(2, self.size_bytes // max(nbytes, 1))):
                 kept.append(t)
                 self.kept_bytes += nbytes
+                self.kept_peak = max(self.kept_peak, self.kept_bytes)
                 return
         t.untyped_storage().resize_(0)
 
