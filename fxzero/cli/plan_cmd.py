@@ -134,6 +134,7 @@ def plan_command(model, gpus, preset_name, seq, global_batch, max_micro_batch, m
         click.echo(json.dumps({
             "model": model, "params": params, "gpus": gpus, "preset": preset_name, "seq": tokens if tokens > 1 else None,
             "global_batch": global_batch, "device_memory_bytes": result.device_memory_bytes, "depth": result.depth,
+            "base_depths": {f"{stage},{offload}": k for (stage, offload), k in result.bases.items()},
             "step": step_is, "compiles": result.compiles, "seconds": round(seconds, 2),
             "rows": [r.to_json() for r in result.rows], "not_compiled": list(result.not_compiled),
             "best": None if best is None else {**best.to_json(), "ds_config": best.candidate.deepspeed(gpus),
@@ -155,7 +156,14 @@ def _print(model, params, gpus, preset_name, hardware, tokens, global_batch, ste
     click.echo(f"{model}: {human_count(params)} parameters{seq}, global batch {global_batch} ({global_batch // gpus} "
                f"per GPU); bf16 with AdamW; the step: {step_is}")
     click.echo(f"on {gpus} x {preset_name} ({described}), {human_bytes(memory)} per GPU")
-    depth = (f"at 2 and 3 blocks, extrapolated to {result.depth}" if result.depth else "whole")
+    if result.depth:
+        by_base: dict[int, list[str]] = {}
+        for (stage, offload), k in sorted(result.bases.items()):
+            by_base.setdefault(k, []).append(f"ZeRO-{stage} offload {offload}")
+        depth = f"extrapolated to {result.depth} blocks from " + "; ".join(
+            f"{k} and {k + 1} ({', '.join(kinds)})" for k, kinds in sorted(by_base.items()))
+    else:
+        depth = "whole"
     click.echo(f"{result.compiles} programs compiled ({depth}) and simulated in {seconds:.1f} s")
     click.echo("")
     rate = "tokens/s/GPU" if tokens > 1 else "samples/s/GPU"

@@ -12,6 +12,14 @@ backward). Two blocks, not one, are the base: the first block is the one whose g
 hides, and the last sits next to the head's reduction, so only from the second block on is each
 one like the next. Compiling 2 and 3 blocks instead of 80 keeps a 70B model to seconds.
 
+Where the first blocks are unlike the rest in the program, the base moves deeper:
+`steady_depth` compiles 2, 3 and 4 blocks and uses 2 and 3 only where the increment from 3 to 4
+blocks repeats the one from 2 to 3 (within `STEADY_RTOL`), else tries 3, 4 and 5, and so on
+(`fxzero plan` does; `tools/check_published.py` keeps 2 and 3: its rows offload nothing, and
+without offload 2 and 3 blocks extrapolate Llama 3 8B's shape to a full compile of 8). With the parameters offloaded, for one, the backward keeps the shards of its
+first two units from the forward: at 2 blocks that is every block, and the increments hold from
+4 blocks on (Llama 3 8B's shape: 32 ms a block from 2 to 3 against 36 ms from 4 on).
+
 Where a model's repeated blocks are not alike (`repeated_blocks` finds none), it is compiled at
 its own depth. `tools/check_published.py` checks this pricing against published cluster
 results; tests/cli/test_plan.py against a full compile (4 blocks compiled, and extrapolated
@@ -23,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +46,7 @@ from fxzero.schedule.types import Schedule
 from fxzero.units import plan_units
 
 __all__ = ["BASE_DEPTHS", "NextTokenLoss", "Priced", "compile_at_depth", "device_peak_bytes", "extrapolate",
-           "micro_and_step", "price", "repeated_blocks", "with_depth"]
+           "micro_and_step", "price", "repeated_blocks", "steady_depth", "with_depth"]
 
 BASE_DEPTHS = (2, 3)
 """The depths a deep model is compiled at ([Note: pricing by depth])."""
@@ -163,10 +171,43 @@ def price(compiled: CompiledProgram, config: Config, model: cost.CostModel) -> P
     return Priced(micro, step, device_peak_bytes(compiled, config), float(flops))
 
 
-def extrapolate(two, three, depth: int):
-    """The value at `depth` blocks from the values at 2 and 3 ([Note: pricing by depth]):
-    `two + (depth - 2) * (three - two)`, for numbers or field by field for `Priced`."""
+def extrapolate(two, three, depth: int, base: int = 2):
+    """The value at `depth` blocks from the values at `base` and `base` + 1 blocks ([Note:
+    pricing by depth]): `two + (depth - base) * (three - two)`, for numbers or field by field for
+    `Priced`."""
     if isinstance(two, Priced):
-        return Priced(*(extrapolate(getattr(two, f.name), getattr(three, f.name), depth)
+        return Priced(*(extrapolate(getattr(two, f.name), getattr(three, f.name), depth, base)
                         for f in dataclasses.fields(Priced)))
-    return two + (depth - 2) * (three - two)
+    return two + (depth - base) * (three - two)
+
+
+STEADY_RTOL = 1e-3
+"""Two per-block increments are the same when they differ by less than this share of the step
+(micro-step plus step program) and of the peak."""
+
+
+def _same_increment(a: Priced, b: Priced, c: Priced) -> bool:
+    """Whether b - a and c - b agree ([Note: pricing by depth]: where the blocks are alike)."""
+    seconds = STEADY_RTOL * (c.micro_seconds + c.step_seconds)
+    return (abs((c.micro_seconds - b.micro_seconds) - (b.micro_seconds - a.micro_seconds)) <= seconds
+            and abs((c.step_seconds - b.step_seconds) - (b.step_seconds - a.step_seconds)) <= seconds
+            and abs((c.peak_bytes - b.peak_bytes) - (b.peak_bytes - a.peak_bytes)) <= STEADY_RTOL * c.peak_bytes)
+
+
+def steady_depth(price_at: Callable[[int], Priced], depth: int, *, start: int = BASE_DEPTHS[0],
+                 limit: int = 8) -> tuple[int, dict[int, Priced]]:
+    """The first base k >= `start` from which a block costs what the next does: the increments
+    from k to k + 1 and from k + 1 to k + 2 blocks agree. Where the first blocks are unlike the
+    rest (an offloaded model keeps the shards of the units the backward needs first from the
+    forward, so at 2 blocks every unit is kept and at 3 not), 2 and 3 blocks would extrapolate
+    the unlike ones. Returns k and every depth priced on the way (`price_at(n)`); stops at
+    `limit` blocks or the model's `depth`, whichever is less, with the last k tried."""
+    priced: dict[int, Priced] = {}
+    k = start
+    while True:
+        for n in (k, k + 1, k + 2):
+            if n not in priced and n <= depth:
+                priced[n] = price_at(n)
+        if k + 2 >= min(depth, limit) or _same_increment(priced[k], priced[k + 1], priced[k + 2]):
+            return k, priced
+        k += 1

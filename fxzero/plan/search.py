@@ -2,7 +2,11 @@
 
 [Note: what the plan compiles]
 Each candidate is compiled at 2 and 3 blocks and extrapolated to the model's depth ([Note:
-pricing by depth]); the trace of a depth and micro-batch is made once and shared by the stages
+pricing by depth]), or from deeper where its first blocks are unlike the rest (`steady_depth`).
+That is checked once per stage and offload, on the first candidate of the pair compiled: what
+makes the first blocks differ is which units the backward keeps from the forward, gathered or as
+fetched shards, which the stage and the offload decide (on Llama 3 8B's shape, recompute none,
+unit and selective found the same base); the trace of a depth and micro-batch is made once and shared by the stages
 and offloads (they do not enter the trace; `compiler.trace_for`). Not every candidate of the
 grid is compiled:
 - a stage and offload whose model states alone (the parameters and optimizer states it keeps
@@ -10,10 +14,11 @@ grid is compiled:
   without compiling;
 - a candidate that needs more memory than one that did not fit is not compiled either: a larger
   micro-batch with the same stage, recompute and offload, or ZeRO-2 where ZeRO-3 did not fit;
-- a candidate is not compiled where one with less recompute already fits at the same stage,
-  micro-batch and offload: recomputing adds compute to the same program and moves nothing
-  less, so it only buys memory. (Offloading is not pruned so: fxzero's program with the states
-  on the cpu tier can be the faster one, its gathers issued from fetched shards.)
+- a candidate is not compiled where one with no more recompute and no more offload already fits
+  at the same stage and micro-batch: recomputing adds compute and offloading adds transfers to
+  the same program, so neither makes the step faster; they only buy memory. (Priced from 2 and 3
+  blocks, an offloaded Llama 3 8B looked faster per block than the same on the device; priced
+  from where its blocks are alike, it is slower, as it should be.)
 What was not compiled, and why, is listed with the table.
 
 A step is `accumulation` micro-steps (forward and backward: every micro-step gathers and
@@ -32,7 +37,7 @@ from torch import nn
 
 from fxzero import cost, estimate
 from fxzero.compiler import compile_program, plan_layouts, recompute_scopes, trace_for
-from fxzero.plan.extrapolate import BASE_DEPTHS, Priced, with_depth, extrapolate, price, repeated_blocks
+from fxzero.plan.extrapolate import BASE_DEPTHS, Priced, extrapolate, price, repeated_blocks, steady_depth, with_depth
 from fxzero.plan.grid import MICRO_BATCH_CAP, OFFLOADS, RECOMPUTES, STAGES, Candidate, micro_batches
 from fxzero.units import persistent_units
 
@@ -70,6 +75,8 @@ class Plan:
     device_memory_bytes: int
     depth: Optional[int]
     """The depth the candidates were extrapolated to (None: compiled whole)."""
+    bases: dict
+    """(stage, offload) -> the depth k its candidates were extrapolated from (k and k + 1 blocks)."""
     compiles: int
 
     @property
@@ -136,13 +143,21 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
         compiles += 1
         return price(compiled, config, hardware)
 
+    bases: dict[tuple, int] = {}  # (stage, offload) -> the depth its blocks are alike from
+
     def evaluate(candidate: Candidate) -> Row:
         config = candidate.config(gpus)
         log(candidate.label())
+        kind = (candidate.stage, candidate.offload)
         if depth is None:
             priced = compiled_at(candidate, config, None)
+        elif kind in bases:  # (found once per stage and offload: [Note: what the plan compiles])
+            k = bases[kind]
+            priced = extrapolate(*(compiled_at(candidate, config, n) for n in (k, k + 1)), depth, k)
         else:
-            priced = extrapolate(*(compiled_at(candidate, config, n) for n in BASE_DEPTHS), depth)
+            k, at = steady_depth(lambda n: compiled_at(candidate, config, n), depth)
+            bases[kind] = k
+            priced = at[depth] if depth in at else extrapolate(at[k], at[k + 1], depth, k)
         step = candidate.accumulation * priced.micro_seconds + priced.step_seconds
         flops = 3 * priced.forward_flops * candidate.accumulation
         return Row(candidate, step, per_gpu * tokens_per_sample / step, flops / step / peak_flops,
@@ -165,24 +180,28 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
     implied = dominated = 0
     for stage in STAGES:
         for mb in sizes:
-            for offload in OFFLOADS:
+            fitting: list[tuple[int, int]] = []  # (recompute, offload) indices that fit at this stage and mb
+            for o, offload in enumerate(OFFLOADS):
                 if (stage, offload) in ruled_out:
                     continue
-                for n, recompute in enumerate(RECOMPUTES):
-                    if any(s >= stage and b <= mb and (r, o) == (recompute, offload) for s, b, r, o in failed):
+                for r, recompute in enumerate(RECOMPUTES):
+                    if any(fr <= r and fo <= o for fr, fo in fitting):
+                        dominated += 1
+                        continue
+                    if any(s >= stage and b <= mb and (fr, fo) == (recompute, offload) for s, b, fr, fo in failed):
                         implied += 1
                         continue
                     row = evaluate(Candidate(stage=stage, micro_batch=mb, accumulation=per_gpu // mb,
                                              recompute=recompute, offload=offload))
                     rows.append(row)
                     if row.fits:
-                        dominated += len(RECOMPUTES) - n - 1
-                        break
-                    failed.append((stage, mb, recompute, offload))
+                        fitting.append((r, o))
+                    else:
+                        failed.append((stage, mb, recompute, offload))
     if implied:
         not_compiled.append(f"{implied} that need more memory than one that did not fit (a larger micro-batch, "
                             "or ZeRO-2 where ZeRO-3 did not fit, with the same recompute and offload)")
     if dominated:
-        not_compiled.append(f"{dominated} with more recompute than one that fits with the same stage, micro-batch "
-                            "and offload (recomputing only adds compute)")
-    return Plan(tuple(rank(rows)), tuple(not_compiled), memory, depth, compiles)
+        not_compiled.append(f"{dominated} with more recompute or offload than one that fits at the same stage and "
+                            "micro-batch (they add compute or transfers to the same step)")
+    return Plan(tuple(rank(rows)), tuple(not_compiled), memory, depth, dict(bases), compiles)
