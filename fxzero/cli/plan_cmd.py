@@ -91,7 +91,9 @@ def plan_command(model, gpus, preset_name, seq, global_batch, max_micro_batch, m
     (the divisors of global batch / GPUs, up to --max-micro-batch) x recompute none, selective,
     unit x offload none, cpu (optimizer states and, at ZeRO-3, parameters); the gradient
     accumulation makes the global batch. A model of repeated blocks is compiled at 2 and 3
-    blocks and extrapolated to its depth. The best is written as a ready ds_config.json and the
+    blocks (deeper where its first blocks are unlike the rest) and extrapolated to its depth;
+    candidates that need more memory than one that did not fit, or more recompute or offload
+    than one that fits, are not compiled. The best is written as a ready ds_config.json and the
     fxzero.Config it reads as (fxzero_config.py). See docs/guides/plan.md.
 
     \b
