@@ -19,6 +19,10 @@ recomputing a unit]), or, with `Activations(offload=...)`, written to the tier a
    tier, or where what cannot move, a model input or a strided view, is over the budget by
    itself). It takes the least; recompute-only and offload-only are among the candidates (every
    lambda with nothing offloaded; lambda 0), so the plan is predicted no slower than either.
+   Where the least recomputes alone and fits, the lambdas between it and the grid's next lower
+   one are bisected for the lowest that still fits: the plan that fills the budget to its edge,
+   recomputing least. Each plan bisection tries is checked to fit; that the lowest fitting
+   lambda is found rests on the cuts being nested in lambda, as a parametric minimum cut's are.
 2. Offload (`plan_offload`, before `offload_activations`): of the tensors still saved, the
    fewest seconds of exposed transfer per byte go to the tier until what stays fits.
 
@@ -49,6 +53,12 @@ __all__ = ["LAMBDAS", "BudgetError", "BudgetPlan", "make_plan_offload", "plan_of
 
 LAMBDAS = 24
 """Most prices of memory tried between 0 and infinity (quantiles of the candidates' own)."""
+
+EDGE_STEPS = 24
+"""Most bisection steps between the grid's best price and the one below it."""
+
+TIE_BREAK = 1e-3
+"""How far apart the keep costs of alike values are set, relatively, so they flip one at a time."""
 
 _INFINITE = 10 ** 6
 """Nanoseconds per byte past any recompute's price: every candidate is recomputed."""
@@ -108,18 +118,23 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
     ns = {n: max(1, round(seconds.get(n, 0.0) * 1e9)) for n in graph.nodes}
     forward_s = sum(s for n, s in seconds.items() if phase(n) == FORWARD)
     backward_s = sum(s for n, s in seconds.items() if phase(n) == BACKWARD)
+    # Alike units (a model's blocks) make alike values, which one price would flip all at once: a
+    # budget between two such flips would be met only by recomputing every block's copy. Each
+    # value's keep cost is weighted by 1 + TIE_BREAK * (how early it comes), so the copies flip one
+    # unit at a time, the earliest (held longest) first; a price moves by at most TIE_BREAK.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    weight = {n: 1.0 + TIE_BREAK * (len(order) - order[n]) / len(order) for n in graph.nodes}
     candidates = [n for n in graph.nodes if n.op == "call_function" and interior(n) and nbytes(n.meta.get("val"))]
-    ratios = sorted({ns[n] / nbytes(n.meta["val"]) for n in candidates})
+    ratios = sorted({ns[n] / (nbytes(n.meta["val"]) * weight[n]) for n in candidates})
     step = max(1, len(ratios) // LAMBDAS)
     prices = [0.0] + ratios[::step] + [float(_INFINITE)] if may_recompute else [0.0]
 
     def recompute_cost(n: fx.Node) -> Optional[int]:
         return ns[n] if interior(n) else None
 
-    best, least = None, None
-    for price in prices:
+    def plan_at(price: float) -> BudgetPlan:
         chosen = cut(graph, param_only, recompute_cost=recompute_cost,
-                     keep_cost=lambda n, price=price: int(price * nbytes(n.meta.get("val"))))
+                     keep_cost=lambda n: int(price * nbytes(n.meta.get("val")) * weight[n]))
         states = sum(_state_bytes(n) for n in chosen.recomputed)
         kept = _kept_bytes(chosen.kept) + states
         fixed = _kept_bytes(n for n in chosen.kept if not _can_offload(alias_root(n))) + states
@@ -130,11 +145,20 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
         else:
             exposed = (max(0.0, _transfer_s(cost_model, tier, "offload", over) - forward_s)
                        + max(0.0, _transfer_s(cost_model, tier, "fetch", over) - backward_s)) if over else 0.0
-        plan = BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices))
-        if least is None or kept < least.kept_bytes:
+        return BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices))
+
+    def cost(plan: BudgetPlan) -> float:
+        return plan.recompute_s + plan.offload_exposed_s
+
+    best, least = None, None
+    for price in prices:
+        plan = plan_at(price)
+        if least is None or plan.kept_bytes < least.kept_bytes:
             least = plan
-        if exposed != float("inf") and (best is None or recompute_s + exposed < best.recompute_s + best.offload_exposed_s):
+        if plan.offload_exposed_s != float("inf") and (best is None or cost(plan) < cost(best)):
             best = plan
+    if best is not None and best.offload_bytes == 0 and best.price_ns_per_byte > 0:
+        best = _to_the_edge(best, max(p for p in prices if p < best.price_ns_per_byte), plan_at, cost)
     if best is None:
         raise BudgetError(
             f"Activations(memory_budget={budget}) cannot be met by recompute alone: the least this program can "
@@ -162,6 +186,27 @@ def saved_values(graph: fx.Graph) -> list[fx.Node]:
         if any(u.op != "output" and phase(u) == BACKWARD for u in n.users):
             out.append(n)
     return out
+
+
+def _to_the_edge(best: BudgetPlan, below: float, plan_at, cost) -> BudgetPlan:
+    """The grid's best plan recomputes alone and fits; a price between the grid price `below` it
+    (whose plan does not fit without the tier) and its own may fit too, recomputing less. A lower
+    price recomputes a subset (the cuts are nested as the price of memory falls), so the lowest
+    price that still fits is found by bisection on the price (a group of values flips at its own
+    price, which no single value's ratio names): the plan that fills the budget to its edge.
+    Taken if predicted no slower."""
+    lo, hi, edge, tried = below, best.price_ns_per_byte, best, 0
+    for tried in range(1, EDGE_STEPS + 1):
+        mid = (lo + hi) / 2
+        plan = plan_at(mid)
+        if plan.offload_bytes == 0:
+            edge, hi = plan, mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    edge = edge if cost(edge) <= cost(best) else best
+    return dataclasses.replace(edge, tried=best.tried + tried)
 
 
 def plan_offload(gm: fx.GraphModule, ctx: PassContext, *, budget: int, tier: str, cost_model,

@@ -86,6 +86,29 @@ def test_recompute_alone_meets_each_budget_bit_for_bit(resident, least, fraction
     assert done == sorted(done)  # (a smaller budget recomputes more, among the budgets run so far)
 
 
+@pytest.mark.parametrize("fraction", [0.2])
+def test_recompute_alone_uses_the_budget_to_its_edge(resident, least, fraction, monkeypatch):
+    """A coarse grid of prices (LAMBDAS 4) then bisection on the price between the grid's best and
+    the grid price below it recompute no more than trying every value's own flip price (LAMBDAS
+    past their number, about 20 here; the default grid tries them all): the reference. Bisection
+    also finds the prices where a group of values flips together, which no single value names,
+    so it may do better than the reference, never worse; here the two agree."""
+    from fxzero.passes import activation_budget
+
+    _, want, full = resident
+    budget = least + int(fraction * (full - least))
+    runs = []
+    for lambdas in (4, 10 ** 6):
+        monkeypatch.setattr(activation_budget, "LAMBDAS", lambdas)
+        engine, got, held = _train(fxzero.Activations(memory_budget=budget), steps=1)
+        assert held <= budget and got == want[:1]
+        runs.append(_trace(engine, "separate_phases"))
+    refined, exhaustive = runs
+    assert refined["budget_prices_tried"] < exhaustive["budget_prices_tried"]
+    assert refined["budget_recompute_s"] <= exhaustive["budget_recompute_s"] * (1 + 1e-12)
+    assert refined["budget_kept_bytes"] == exhaustive["budget_kept_bytes"]
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_the_cost_model_chooses_between_offload_and_recompute(resident, least, tmp_path, fast):
     """NVMe at 100 GB/s hides behind compute: offload only. At 0.01 GB/s its transfers would take
