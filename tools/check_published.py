@@ -1,6 +1,7 @@
 """The simulator against published cluster results: MosaicML llm-foundry's MPT table.
 
-    python tools/check_published.py [--rows N] [--cache DIR] [--json PATH]
+    python tools/check_published.py [--rows N] [--cache DIR] [--json PATH] [--markdown PATH]
+    python tools/check_published.py --checkpointed [...]
 
 For every bf16 row of `tests/data/published/llm_foundry.csv` without activation checkpointing
 (MPT models with Composer's FSDP on 8 to 512 A100s and H100s, sequence 512 to 65536), it
@@ -26,6 +27,23 @@ How a row is priced ([Note: pricing a published row]):
   fixed for every other row: the matmul efficiency on MPT-1B at sequence 2048, the fused
   attention's on MPT-1B at 16384 (one row cannot fix both: the issue's one-row protocol, with
   attention at its stated ratio, is what `--one-row` runs). The rest is the preset's.
+
+`--checkpointed` checks the rows WITH activation checkpointing instead ([Note: the checkpointed
+rows]): the same pricing, each row's program compiled with `fxzero.Activations(recompute="unit")`,
+on the efficiencies fitted on the same named rows without checkpointing (nothing is fitted on a
+checkpointed row). Each row also carries its prediction without recompute, and the rows that
+cannot be modelled are listed with the reason (`not_modelled`), not dropped.
+
+[Note: the checkpointed rows]
+Composer's FSDP with `activation_checkpointing: true` wraps every MPT block (llm-foundry's
+`activation_checkpointing_target` defaults to the block) in torch's checkpoint wrapper: the
+block keeps its input and its forward runs again inside the backward, after the block's
+parameters are gathered for the backward, once. That is `recompute="unit"` with a unit per
+block (the embeddings, head and loss stay resident in both). The table marks it in
+`activation_checkpointing` ("True"), and its HFU is 4/3 of its MFU on every such row: the
+source counts one more forward per step. Of the 79 checkpointed rows, the one in fp8
+(`amp_fp8`) cannot be modelled (fxzero has no fp8 compute); none offloads activations
+(`activation_cpu_offload` is "False" on every row; one that did would be listed too).
 """
 
 from __future__ import annotations
@@ -73,33 +91,80 @@ CALIBRATION = {
 }
 
 
-def load_rows(path: str = TABLE) -> list[dict]:
-    """The rows this check uses: bf16, no activation checkpointing, no CPU offload."""
+def _why_not(row: dict) -> str | None:
+    """Why `row` cannot be modelled here, or None where it can."""
+    if row["precision"] not in ("amp_bf16", "bf16"):
+        return f"precision {row['precision']}: fxzero has no fp8 compute"
+    if row["activation_cpu_offload"] != "False":
+        return "activation_cpu_offload: Composer's offload of checkpointed activations to host memory is not modelled"
+    if row["gpu"] not in PRESET_OF:
+        return f"GPU {row['gpu']}: no preset"
+    return None
+
+
+def _read(path: str) -> list[dict]:
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [r for r in rows if r["activation_checkpointing"] == "False" and r["activation_cpu_offload"] == "False"
-            and r["precision"] in ("amp_bf16", "bf16") and r["gpu"] in PRESET_OF]
+        return list(csv.DictReader(f))
 
 
-def _key(row: dict) -> tuple:
+def load_rows(path: str = TABLE, *, checkpointed: bool = False) -> list[dict]:
+    """The rows this check uses: bf16, no CPU offload, without activation checkpointing
+    (`checkpointed`: with it)."""
+    want = "True" if checkpointed else "False"
+    return [r for r in _read(path) if r["activation_checkpointing"] == want and _why_not(r) is None]
+
+
+def not_modelled(path: str = TABLE) -> list[dict]:
+    """The checkpointed rows `load_rows(checkpointed=True)` leaves out, each with the reason."""
+    return [{"source_line": int(r["source_line"]), "model": r["model"], "gpu": r["gpu"], "gpus": int(r["gpus"]),
+             "seq_len": int(r["seq_len"]), "published": float(r["tokens_per_s_per_gpu"]), "reason": _why_not(r)}
+            for r in _read(path) if r["activation_checkpointing"] == "True" and _why_not(r) is not None]
+
+
+def _checkpointed(row: dict) -> bool:
+    return row["activation_checkpointing"] == "True"
+
+
+def _key(row: dict, recompute: str | None = None) -> tuple:
+    """The compiled shape of `row`; `recompute` overrides what its checkpointing says."""
+    if recompute is None:
+        recompute = "unit" if _checkpointed(row) else "none"
     return (row["model"], int(row["seq_len"]), int(row["micro_batch"]),
-            3 if row["sharding"] == "FULL_SHARD" else 2, row["mp_mode"])
+            3 if row["sharding"] == "FULL_SHARD" else 2, row["mp_mode"], recompute)
 
 
 def compile_shape(key: tuple, n_blocks: int, world: int = 8) -> Schedule:
     """The schedule of one micro-step of `key`'s shape with `n_blocks` blocks, for CUDA ranks:
     the MPT model built at its full depth on the meta device and compiled with its first
-    `n_blocks` (`fxzero.plan.extrapolate.compile_at_depth`), the loss in the program."""
-    model, seq, micro, stage, mp_mode = key
+    `n_blocks` (`fxzero.plan.extrapolate.compile_at_depth`), the loss in the program; with
+    `recompute="unit"` every block recomputed in the backward ([Note: the checkpointed rows])."""
+    model, seq, micro, stage, mp_mode, recompute = key
     d_model, n_heads, n_layers = MPT[model]
     cfg = GPTConfig(vocab_size=VOCAB, d_model=d_model, n_heads=n_heads, n_blocks=n_layers, seq_len=seq)
     with torch.device("meta"):
         lm = NextTokenLoss(GPT(cfg))
     idx = torch.zeros(micro, seq, dtype=torch.long, device="meta")
     reduce = torch.float32 if mp_mode == "DEFAULT" else None  # PURE reduces in bf16
-    config = fxzero.Config(stage=stage, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce))
+    config = fxzero.Config(stage=stage, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce),
+                           activations=fxzero.Activations(recompute=recompute))
     blocks, _ = repeated_blocks(lm)
     return compile_at_depth(lm, n_blocks, (idx, idx), config, world_size=world, device="cuda", blocks=blocks).schedule
+
+
+def schedule_of(key: tuple, n_blocks: int, *, cache: str | None = None, log=print) -> Schedule:
+    """`compile_shape(key, n_blocks)`, read from `cache` (a directory) where an earlier run left it."""
+    path = os.path.join(cache, "_".join(map(str, key)) + f"_{n_blocks}.json") if cache else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return Schedule.loads(f.read())
+    start = time.perf_counter()
+    schedule = compile_shape(key, n_blocks)
+    log(f"compiled {key} x{n_blocks} blocks in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(schedule.dumps())
+    return schedule
 
 
 def predict(row: dict, schedules: tuple[Schedule, Schedule], model: cost.CostModel) -> dict:
@@ -159,28 +224,16 @@ def calibrate(gpu: str, by_line: dict, compiled: dict, *, one_row: bool = False)
 
 
 def check(rows: list[dict], *, cache: str | None = None, one_row: bool = False, log=print) -> dict:
-    """Every row predicted; the figures as a JSON-ready dict."""
+    """Every row predicted; the figures as a JSON-ready dict. A checkpointed row also carries its
+    prediction without recompute (`predicted_without_recompute`) and the ratio of the two
+    (`recompute_slowdown`: how much slower the simulator says recompute makes it)."""
     compiled: dict[tuple, tuple[Schedule, Schedule]] = {}
     named = {line for lines in CALIBRATION.values() for line in lines}
-    for row in rows + [r for r in load_rows() if int(r["source_line"]) in named]:
-        key = _key(row)
-        if key in compiled:
-            continue
-        pair = []
-        for n in (2, 3):
-            path = os.path.join(cache, "_".join(map(str, key)) + f"_{n}.json") if cache else None
-            if path and os.path.exists(path):
-                with open(path) as f:
-                    pair.append(Schedule.loads(f.read()))
-                continue
-            start = time.perf_counter()
-            pair.append(compile_shape(key, n))
-            log(f"compiled {key} x{n} blocks in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            if path:
-                os.makedirs(cache, exist_ok=True)
-                with open(path, "w") as f:
-                    f.write(pair[-1].dumps())
-        compiled[key] = tuple(pair)
+    keys = [_key(r) for r in rows + [r for r in load_rows() if int(r["source_line"]) in named]]
+    keys += [_key(r, "none") for r in rows if _checkpointed(r)]
+    for key in keys:
+        if key not in compiled:
+            compiled[key] = tuple(schedule_of(key, n, cache=cache, log=log) for n in (2, 3))
     by_line = {int(r["source_line"]): r for r in load_rows()}
     models = {gpu: calibrate(gpu, by_line, compiled, one_row=one_row) for gpu in CALIBRATION}
     out = []
@@ -192,6 +245,10 @@ def check(rows: list[dict], *, cache: str | None = None, one_row: bool = False, 
                     "grad_accum": int(row["grad_accum"]), "sharding": row["sharding"], "mp_mode": row["mp_mode"],
                     "published": published, "predicted": round(got["tokens_per_s_per_gpu"], 1),
                     "ratio": round(got["tokens_per_s_per_gpu"] / published, 4)})
+        if _checkpointed(row):
+            without = predict(row, compiled[_key(row, "none")], models[row["gpu"]])["tokens_per_s_per_gpu"]
+            out[-1].update(predicted_without_recompute=round(without, 1),
+                           recompute_slowdown=round(without / got["tokens_per_s_per_gpu"], 4))
     ratios = [r["ratio"] for r in out]
     worst = max(out, key=lambda r: abs(r["ratio"] - 1)) if out else None
     return {
@@ -210,14 +267,33 @@ def check(rows: list[dict], *, cache: str | None = None, one_row: bool = False, 
     }
 
 
+def check_checkpointed(rows: list[dict], **kwargs) -> dict:
+    """`check` of checkpointed rows ([Note: the checkpointed rows]), with the rows that cannot be
+    modelled (`not_modelled`), the five furthest from the published (`worst_rows`) and the
+    median slowdown the simulator gives recompute."""
+    if any(not _checkpointed(r) for r in rows):
+        raise ValueError("check_checkpointed takes rows with activation checkpointing (load_rows(checkpointed=True))")
+    result = check(rows, **kwargs)
+    result["activations"] = 'fxzero.Activations(recompute="unit")'
+    result["worst_rows"] = sorted(result["rows"], key=lambda r: -abs(r["ratio"] - 1))[:5]
+    result["median_recompute_slowdown"] = (statistics.median(r["recompute_slowdown"] for r in result["rows"])
+                                           if result["rows"] else None)
+    result["not_modelled"] = not_modelled()
+    return result
+
+
 def markdown(result: dict) -> str:
-    """The rows as a markdown table: published and predicted tokens/s per GPU."""
-    lines = ["| line | model | GPU | GPUs | seq | micro-batch | GA | sharding | published | predicted | ratio |",
-             "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    """The rows as a markdown table: published and predicted tokens/s per GPU (and, for
+    checkpointed rows, the prediction without recompute)."""
+    extra = any("predicted_without_recompute" in r for r in result["rows"])
+    lines = ["| line | model | GPU | GPUs | seq | micro-batch | GA | sharding | published | predicted | ratio |"
+             + (" no recompute |" if extra else ""),
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |" + (" ---: |" if extra else "")]
     for r in result["rows"]:
         lines.append(f"| {r['source_line']} | {r['model']} | {r['gpu']} | {r['gpus']} | {r['seq_len']} | "
                      f"{r['micro_batch']} | {r['grad_accum']} | {r['sharding']} | {r['published']:.0f} | "
-                     f"{r['predicted']:.0f} | {r['ratio']:.3f} |")
+                     f"{r['predicted']:.0f} | {r['ratio']:.3f} |"
+                     + (f" {r['predicted_without_recompute']:.0f} |" if extra else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -230,15 +306,27 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", default=None, help="write the rows as a markdown table here (docs/simulator.md)")
     parser.add_argument("--one-row", action="store_true",
                         help="fit the matmul efficiency only (one row per GPU type), attention at issue 26's ratio")
+    parser.add_argument("--checkpointed", action="store_true",
+                        help="check the rows with activation checkpointing (recompute='unit'), on the efficiencies "
+                             "fitted on the named rows without it")
     args = parser.parse_args(argv)
-    rows = load_rows()
+    rows = load_rows(checkpointed=args.checkpointed)
     if args.rows:
         wanted = {int(x) for x in args.rows.split(",")}
         unknown = wanted - {int(r["source_line"]) for r in rows}
         if unknown:
-            parser.error(f"no checkable row at source_line {sorted(unknown)}; see {TABLE}")
+            other = {int(r["source_line"]) for r in load_rows(checkpointed=not args.checkpointed)}
+            hint = (" (with activation checkpointing: add --checkpointed)" if unknown & other and not args.checkpointed
+                    else " (without activation checkpointing: leave out --checkpointed)" if unknown & other else "")
+            why = {r["source_line"]: r["reason"] for r in not_modelled()}
+            named = "; ".join(f"row {line}: {why[line]}" for line in sorted(unknown) if line in why)
+            parser.error(f"no checkable row at source_line {sorted(unknown)}{hint}{'; ' + named if named else ''}; "
+                         f"see {TABLE}")
         rows = [r for r in rows if int(r["source_line"]) in wanted]
-    result = check(rows, cache=args.cache, one_row=args.one_row)
+    if args.checkpointed:
+        result = check_checkpointed(rows, cache=args.cache, one_row=args.one_row)
+    else:
+        result = check(rows, cache=args.cache, one_row=args.one_row)
     print(f"{'line':>4} {'model':>5} {'gpu':>9} {'gpus':>4} {'seq':>6} {'mb':>3} {'ga':>2} "
           f"{'published':>9} {'predicted':>9} {'ratio':>6}")
     for r in result["rows"]:
@@ -253,6 +341,14 @@ def main(argv=None) -> int:
               f"{result['median_abs_error']:.3f}; worst {w['ratio']:.3f} (row {w['source_line']}: {w['model']} "
               f"{w['gpu']} x{w['gpus']} seq {w['seq_len']}); within 20%: {result['within_20pct']}/{result['count']}, "
               f"within 10%: {result['within_10pct']}/{result['count']}")
+    if args.checkpointed:
+        if result["rows"]:
+            print(f"recompute ({result['activations']}) makes a row {result['median_recompute_slowdown']:.3f}x slower "
+                  f"in the median; furthest from the published: "
+                  + ", ".join(f"row {r['source_line']} {r['ratio']:.3f}" for r in result["worst_rows"]))
+        for r in result["not_modelled"]:
+            print(f"not modelled: row {r['source_line']} ({r['model']} {r['gpu']} x{r['gpus']} seq {r['seq_len']}): "
+                  f"{r['reason']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from fxzero._compat import pytree
+from fxzero.ir.rng import replay
 
 __all__ = ["concrete", "flops", "itemsize_of", "nbytes", "register_sizes", "round_up", "value_size"]
 
@@ -103,8 +104,14 @@ was priced at 0 FLOPs, and long sequences were predicted far too fast)."""
 
 
 def flops(node: fx.Node) -> int:
-    """FLOPs of an ATen node by torch's own formulas (matmuls, convolutions, attention)."""
-    packet = getattr(node.target, "overloadpacket", None)
+    """FLOPs of an ATen node by torch's own formulas (matmuls, convolutions, attention). A random
+    operator recomputed in the backward is `replay(state, op, *args)` ([Note: replaying random
+    operators] in `fxzero/ir/rng.py`): its FLOPs are `op`'s (a recomputed CUDA attention, which
+    counts as random, was priced at 0)."""
+    target, node_args = node.target, node.args
+    if target is replay:
+        target, node_args = node_args[1], node_args[2:]
+    packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet) or _MORE_FLOPS.get(packet)
     if formula is None:
         return 0
@@ -112,7 +119,7 @@ def flops(node: fx.Node) -> int:
     def val(a):
         return _at_sizes(a.meta.get("val")) if isinstance(a, fx.Node) else _at_sizes(a)
 
-    args, kwargs = pytree.tree_map(val, (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map(val, (node_args, node.kwargs))
     try:
         return int(formula(*args, **kwargs, out_val=pytree.tree_map(_at_sizes, node.meta.get("val"))))
     except Exception:  # a formula that cannot read these arguments: count nothing, never fail
