@@ -43,7 +43,9 @@ block (the embeddings, head and loss stay resident in both). The table marks it 
 `activation_checkpointing` ("True"), and its HFU is 4/3 of its MFU on every such row: the
 source counts one more forward per step. Of the 79 checkpointed rows, the one in fp8
 (`amp_fp8`) cannot be modelled (fxzero has no fp8 compute); none offloads activations
-(`activation_cpu_offload` is "False" on every row; one that did would be listed too).
+(`activation_cpu_offload` is "False" on every row; one that did would be listed too). A recompute
+program extrapolates from 2 and 3 blocks like one without (MPT-760M at 65536 and MPT-1B at 2048
+against full compiles of 24 blocks: within 0.04%), so `steady_depth` is not needed here.
 """
 
 from __future__ import annotations
