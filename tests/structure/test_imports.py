@@ -31,7 +31,7 @@ LAYER = {
     "fxzero.compiler": 5, "fxzero.runtime": 5,
     "fxzero.api": 6, "fxzero.artifacts": 6, "fxzero.deepspeed_api": 6, "fxzero.activation_estimate": 6,
     "fxzero.comm": 7, "fxzero.zero": 7, "fxzero.utils": 7, "fxzero.moe": 7, "fxzero.deepspeed_alias": 7,
-    "fxzero.viz": 7,
+    "fxzero.viz": 7, "fxzero.plan": 7,
     "fxzero.cli": 8,
     "fxzero._deepspeed_shim": 9,
     "fxzero": 0,
