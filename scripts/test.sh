@@ -9,7 +9,9 @@ cd "$ROOT"
 bash scripts/setup.sh
 
 rc=0
-.venv/bin/python -m pytest -q tests "$@" || rc=$?
+# Two workers, each taking whole test files (a file's module-scoped runs stay in one worker, done
+# once): on 2 cores the suite takes 17:37 instead of 23:28 one test at a time (requirements.txt).
+.venv/bin/python -m pytest -q -n 2 --dist loadfile tests "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
     # pytest's exit code 5: no tests were collected. A run that tested nothing must not pass.
     echo "test.sh: FAILED: pytest collected no tests (exit code 5)." >&2
