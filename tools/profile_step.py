@@ -44,7 +44,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         link = fxzero.LinkEmulation(bandwidth=args.link_bandwidth, latency=0.0) if args.link_bandwidth else None
         optimizer = {"adamw": fxzero.AdamW(), "lamb": fxzero.Lamb()}[args.optimizer]
         engine = fxzero.compile(model, fxzero.Config(stage=args.stage, prefetch=prefetch, offload=offload,
-                                                     link_emulation=link, optimizer=optimizer))
+                                                     link_emulation=link, optimizer=optimizer,
+                                                     activations=fxzero.Activations(recompute=args.recompute)))
         cfg = model.config
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
@@ -128,6 +129,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default="/var/tmp", help="directory for --offload nvme")
     parser.add_argument("--step-in-backward", action="store_true", help="Offload(step_in_backward=True)")
     parser.add_argument("--lookahead", type=int, default=1, help="Offload(lookahead=...)")
+    parser.add_argument("--recompute", choices=["none", "unit", "selective"], default="none",
+                        help="fxzero.Activations(recompute=...)")
     parser.add_argument("--link-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                         help="emulate a link of this bandwidth (fxzero.LinkEmulation), as tools/overlap.py does")
     args = parser.parse_args()

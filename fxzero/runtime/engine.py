@@ -36,6 +36,7 @@ from fxzero.runtime.autograd import RunProgram, SavedActivations
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
+from fxzero.runtime.host_memory import release_freed_host_memory
 from fxzero.runtime.optimizer import ShardedOptimizer
 from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
@@ -94,6 +95,7 @@ class Engine:
         self._layout = {lay.name: lay for lay in state.layouts}
         self._cache: collections.OrderedDict[Any, Runners] = collections.OrderedDict()  # (LRU, bounded)
         self._gathered = GatheredMemory()
+        self._trim_host = state.device.type == "cpu" and not config.keep_host_memory
         self._activations = SavedActivations()  # (counted by the autograd bridge, autograd.py)
         offload = config.activations.offload  # saved activations on a tier (a CPU rank's cpu tier: where they are)
         self._stash = (ActivationStore(offload, self.rank)
@@ -327,6 +329,7 @@ class Engine:
         those that are activations (not gathered parameters kept for the backward)."""
         program = runners.compiled.programs["forward"]
         results = runners.forward.run(self._bind(runners.forward, program, {"input": inputs}), self._record)
+        self._ran_program()
         sig = runners.compiled.signature
         n_out, n_buf = sig.num_outputs, len(sig.mutated_buffers)
         for fqn, value in zip(sig.mutated_buffers, results[n_out : n_out + n_buf]):
@@ -366,6 +369,7 @@ class Engine:
         runner.unreduced = self._unreduced if local else None
         runner.defer_reduction = self._no_sync or (local and not self.control.boundary)
         results = runner.run(env, self._record)
+        self._ran_program()
         if runner.defer_reduction:
             return  # ([Note: accumulating locally] in executor.py): no gradient shard yet
         grads = self.state.grads
@@ -481,6 +485,7 @@ class Engine:
             self._requires_grad.stepped(self._window.gradless or frozenset())
         self._window.reset()
         grads.clear()
+        self._ran_program()  # (after the gradient shards go)
         self._user.bind()  # (the step updated in place: only a unit whose storage moved is rebound)
         self.control.stepped(self.optimizer, skipped=not update)
         self._log.stepped(self)
@@ -694,6 +699,12 @@ class Engine:
         """
         return self.state.full_state_dict(self._model, self.comm)
 
+    def _ran_program(self) -> None:
+        """After each program: a CPU rank hands the heap's freed pages back (host_memory.py), so
+        its resident memory follows the bytes in use, not the heap's high-water mark."""
+        if self._trim_host:
+            release_freed_host_memory()
+
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds now, by category (`RankState.memory_report`; `unreduced_grads`: the
         full gradients kept between boundaries by Config(gradient_accumulation="local"), counted
@@ -705,7 +716,9 @@ class Engine:
         `Activations(offload=...)`, not counted in `activations` (`activations_cpu`, `activations_nvme`:
         bytes on the tier now; `_peak`: the most at once; fetched back, they count in `staged`), and
         the freed unit-sized host buffers the executor keeps for reuse (`pooled`, `pooled_peak`:
-        idle, counted in nothing else, yet resident: storage/pool.py)."""
+        idle, counted in nothing else, yet resident: storage/pool.py), and the shared memory the
+        collectives' transport maps (`transport`: every rank's segments, fxzero/runtime/comm/shm.py;
+        in this process's resident set once touched, though each page exists once per host)."""
         g = self._gathered
         on_tier = {f"activations_{t}{s}": 0 for t in ("cpu", "nvme") for s in ("", "_peak")}
         if self._stash is not None:
@@ -716,7 +729,8 @@ class Engine:
         return {**report, "unreduced_grads": unreduced, "model_states": report["model_states"] + unreduced,
                 "gathered": g.current, "gathered_peak": g.peak, "staged": g.staged, "staged_peak": g.staged_peak,
                 "activations": self._activations.current, "activations_peak": self._activations.peak, **on_tier,
-                "pooled": self._pool.kept_bytes, "pooled_peak": self._pool.kept_peak}
+                "pooled": self._pool.kept_bytes, "pooled_peak": self._pool.kept_peak,
+                "transport": self.comm.mapped_bytes}
 
     def io_report(self, reset: bool = False) -> dict[str, dict]:
         """Per storage tier: bytes, seconds, calls and GB/s read and written since the last reset

@@ -65,6 +65,9 @@ class Comm:
     group's collectives in the schedule's order, so neither group can pair mismatched calls.
     Gathers and object exchanges stay on `group`."""
 
+    mapped_bytes = 0
+    """Shared memory this rank maps to move collectives' data (memory_report's `transport`)."""
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None, link: Optional[LinkEmulation] = None,
                  reduce_group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group

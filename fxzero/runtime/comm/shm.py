@@ -223,6 +223,11 @@ class ShmComm(Comm):
             _TRANSPORTS[key] = _Transport(self, chunk_bytes, timeout_s)
         self._transport = _TRANSPORTS[key]
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Every rank's segment, mapped here: 2 * world_size**2 * chunk_bytes."""
+        return sum(len(seg.map) for seg in self._transport.segments)
+
     def _all_gather(self, out: torch.Tensor, shard: torch.Tensor):
         if shard.device.type != "cpu":
             return super()._all_gather(out, shard)
