@@ -15,7 +15,7 @@ from fxzero import activation_estimate as act
 from fxzero.cli.common import CLIError, reports_errors
 from fxzero.viz.fmt import human_bytes
 
-__all__ = ["activations_result", "print_activations"]
+__all__ = ["activations_result", "print_activations", "shaped_call"]
 
 POLICIES = {"none": ("none",), "unit": ("unit",), "selective": ("selective",), "all": ("none", "unit", "selective")}
 
@@ -35,7 +35,7 @@ def _position_limit(model: nn.Module) -> Optional[tuple[str, int]]:
     return None
 
 
-def _shaped_call(model: nn.Module, spec: str, seq: Optional[int], batch: Optional[int]):
+def shaped_call(model: nn.Module, spec: str, seq: Optional[int], batch: Optional[int]):
     """The model's default call (its example inputs, or a Hugging Face model's) with dimension 0
     of every tensor set to `batch` and dimension 1 of every integer tensor of 2 or more dimensions
     (token ids, masks) to `seq`."""
@@ -102,7 +102,7 @@ def activations_result(spec: str, model_config, world: int, policy: str, seq: Op
 
     with reports_errors(f"estimating the activations of {spec}"):
         model = build_model(spec, model_config=model_config)
-        call, args, kwargs = _shaped_call(model, spec, seq, batch)
+        call, args, kwargs = shaped_call(model, spec, seq, batch)
         counts = act.estimate_activations(model, args, fxzero.Config(cost_model=None), world_size=world,
                                           kwargs=kwargs, policies=POLICIES[policy])
     tokens = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2

@@ -36,13 +36,13 @@ def _token_input(call) -> Optional[torch.Tensor]:
 
 def _loaded(spec: str, model_config: Optional[str], seq: Optional[int]):
     """(model on the meta device, micro-batch -> (args, kwargs), tokens per sample, what the step is)."""
-    from fxzero.cli.estimate_activations import _shaped_call
+    from fxzero.cli.estimate_activations import shaped_call
     from fxzero.modelspec import build_model
     from fxzero.plan import NextTokenLoss
 
     with reports_errors(f"building {spec}"):
         model = build_model(spec, model_config=model_config)
-        _, args, kwargs = _shaped_call(model, spec, seq, 1)
+        _, args, kwargs = shaped_call(model, spec, seq, 1)
     token = _token_input((args, kwargs))
     if token is not None and seq is None and spec.startswith("transformers:"):
         raise CLIError(f"--seq is needed: {spec} has no training sequence of its own (its default call is "
@@ -55,7 +55,7 @@ def _loaded(spec: str, model_config: Optional[str], seq: Optional[int]):
         wrapped, what = model, "the model as called; its outputs' gradient is the backward's input (no loss)"
 
     def call(micro_batch: int):
-        _, a, kw = _shaped_call(model, spec, seq, micro_batch)
+        _, a, kw = shaped_call(model, spec, seq, micro_batch)
         return ((a[0], a[0]) if wrapped is not model else a), kw
 
     return wrapped, call, (token.shape[1] if token is not None else 1), what

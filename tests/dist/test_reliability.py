@@ -112,17 +112,20 @@ def test_a_program_whose_collectives_differ_is_an_error_on_every_rank():
 def _one_rank_stalls(rank: int, world_size: int, where: str):
     engine = fxzero.compile(zoo.build("gpt-tiny"), fxzero.Config(stage=3, cost_model=None, collective_timeout=3))
     x = torch.randint(0, 96, (2, 16))
-    if rank == 1 and where == "program":  # its forward's first all-gather starts 6 s late
+    start = time.monotonic()
+    if where == "program":  # rank 1's forward's first all-gather starts 6 s late
         issue, calls = engine.comm.all_gather, []
 
         def late(out, shard, **kw):
+            nonlocal start
             calls.append(1)
             if len(calls) == 2:  # (the first is the digest all-gather before the forward)
-                time.sleep(6)
+                start = time.monotonic()  # (timed from here: compiling the program is not waiting)
+                if rank == 1:
+                    time.sleep(6)
             return issue(out, shard, **kw)
 
         engine.comm.all_gather = late
-    start = time.monotonic()
     try:
         loss = engine(x).sum()
         if rank == 1 and where == "agreement":  # never joins the backward's collectives
