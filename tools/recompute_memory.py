@@ -61,7 +61,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     with torch.device("meta"):
-        model = gpt("small", seq_len=args.seq)
+        model = gpt(args.model, seq_len=args.seq)
     config = fxzero.Config(stage=3, seed=0, cost_model=args.cost_model, activations=activations(args.policy, args))
     engine = fxzero.compile(model, config)
     rank = engine.rank
@@ -100,13 +100,16 @@ def rank_main(args: argparse.Namespace) -> None:
 def run(policy: str, args: argparse.Namespace) -> list[dict]:
     extra = ["--budget-mib", str(args.budget_mib)] if args.budget_mib is not None else []
     return run_ranks(__file__, policy, args.ranks, [
-        "--policy", policy, "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+        "--policy", policy, "--model", args.model, "--seq", str(args.seq), "--batch", str(args.batch),
+        "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--cost-model", args.cost_model, "--nvme-path", args.nvme_path, *extra],
         args.timeout)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("tiny", "small"), default="small",
+                        help="the zoo GPT: small (25M, the issue's figures) or tiny (the tests' plumbing)")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
     parser.add_argument("--ranks", type=int, default=2)
