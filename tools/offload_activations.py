@@ -70,10 +70,23 @@ def rank_main(args: argparse.Namespace) -> None:
             "activations_nvme_bytes": memory["activations_nvme"], "offloaded_tensors": len(moved),
             "offloaded_bytes_per_step": sum(moved), "nvme_written_bytes": io.get("write", {}).get("bytes", 0),
             "nvme_read_bytes": io.get("read", {}).get("bytes", 0), "nvme_direct": io.get("direct"),
-            "losses": losses}
+            "nvme_io": {k: io[k] for k in ("read", "write") if k in io},
+            "predicted": _predicted(engine, cost_model), "losses": losses}
     engine.close()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # (the ranks' stdout interleaves)
         json.dump(line, f)
+
+
+def _predicted(engine, cost_model) -> dict:
+    """The simulator's step of this program on the cost model it was compiled with: its I/O time
+    and the part of it no compute hides (the step's lines beside the measured ones)."""
+    from fxzero.cost.presets import preset
+    from fxzero.cost.simulate import simulate
+
+    if cost_model is None:
+        return {}
+    sim = simulate(engine.schedule, preset(cost_model))
+    return {"step_s": sim.step_seconds, "io_s": sim.io_seconds, "exposed_io_s": sim.exposed_io_seconds}
 
 
 def run(policy: str, args: argparse.Namespace) -> list[dict]:

@@ -21,7 +21,11 @@ class IneffectiveSetting(UserWarning):
 
 
 class SlowSetting(UserWarning):
-    """A setting that works here but is much slower than an alternative that would do."""
+    """A setting that works here but is much slower than an alternative that would do.
+
+    On a CPU-only machine: float16 compute (mixed precision or autocast), whose matmuls have no
+    fast CPU kernel; bfloat16 compute on an x86 CPU without AVX-512, where bfloat16 matmuls run
+    tens of times slower than float32 (`fxzero.config.effects.slow_settings`)."""
 
 
 def warn_once(messages: list[str], category: type[Warning], stacklevel: int = 3) -> None:

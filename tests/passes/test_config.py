@@ -218,3 +218,25 @@ def test_compile_warns_about_an_ineffective_setting(monkeypatch):
         model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(IneffectiveSetting, match="Config.persist_threshold=9 has no effect at stage 1"):
         fxzero.compile(model, Config(stage=1, persist_threshold=9, cost_model=None))
+
+
+@pytest.mark.parametrize("capability, slow", [("AVX2", True), ("DEFAULT", True), ("AVX512", False)])
+def test_bfloat16_on_an_x86_cpu_without_avx512_is_said_to_be_slow(monkeypatch, capability, slow):
+    """bfloat16 matmuls have no fast CPU kernel below AVX-512 (about 68x slower than float32 on an
+    AVX2 EPYC): mixed precision or autocast in bfloat16 there gets a SlowSetting message; CUDA,
+    float32 and an AVX-512 CPU get none. (The capability is pinned, not read from this machine.)"""
+    import platform
+
+    import torch
+
+    from fxzero.config.effects import slow_settings
+    from fxzero.config.precision import Autocast, MixedPrecision
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for config in (Config(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)), Config(autocast=Autocast())):
+        messages = slow_settings(config, cuda=False, cpu_capability=capability)
+        assert len(messages) == (1 if slow else 0)
+        if slow:
+            assert f"torch's CPU capability here: {capability}" in messages[0] and "mixed_precision=None" in messages[0]
+        assert slow_settings(config, cuda=True, cpu_capability=capability) == []
+    assert slow_settings(Config(), cuda=False, cpu_capability=capability) == []
