@@ -36,6 +36,7 @@ from fxzero.runtime.lr_schedules import build_scheduler
 from fxzero.runtime.materialize import broadcast_initial_values, materialize
 from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
+from fxzero.runtime.storage.disk_probe import nvme_placements, with_measured_disks
 from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers, ranks_per_host
 from fxzero.units import persistence_differences, persistent_units
 
@@ -124,6 +125,8 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
     if state_dict is None and not seeded and comm.world_size > 1:
         broadcast_initial_values(model)  # every rank starts from rank 0's values
     cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
+    if isinstance(config.cost_model, str) and config.cost_model == "measure":
+        cost_model = with_measured_disks(cost_model, nvme_placements(config), comm)  # (the disk too)
     layouts = plan_layouts(model, config, comm.world_size, cost_model, frozen=ungrouped)
     whole = persistent_units(config, layouts)  # units held whole, not sharded
     warn_ineffective(persistence_differences(config, layouts))

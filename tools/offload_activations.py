@@ -71,22 +71,24 @@ def rank_main(args: argparse.Namespace) -> None:
             "offloaded_bytes_per_step": sum(moved), "nvme_written_bytes": io.get("write", {}).get("bytes", 0),
             "nvme_read_bytes": io.get("read", {}).get("bytes", 0), "nvme_direct": io.get("direct"),
             "nvme_io": {k: io[k] for k in ("read", "write") if k in io},
-            "predicted": _predicted(engine, cost_model), "losses": losses}
+            "predicted": _predicted(engine), "losses": losses}
     engine.close()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # (the ranks' stdout interleaves)
         json.dump(line, f)
 
 
-def _predicted(engine, cost_model) -> dict:
-    """The simulator's step of this program on the cost model it was compiled with: its I/O time
-    and the part of it no compute hides (the step's lines beside the measured ones)."""
-    from fxzero.cost.presets import preset
+def _predicted(engine) -> dict:
+    """The simulator's step of this program on the cost model it was compiled with (calibrated
+    here under --cost-model measure): its I/O time and the part of it no compute hides, beside
+    the measured ones."""
     from fxzero.cost.simulate import simulate
 
-    if cost_model is None:
+    if engine.cost_model is None:
         return {}
-    sim = simulate(engine.schedule, preset(cost_model))
-    return {"step_s": sim.step_seconds, "io_s": sim.io_seconds, "exposed_io_s": sim.exposed_io_seconds}
+    sim = simulate(engine.schedule, engine.cost_model)
+    io = {k: v.bandwidth for k, v in engine.cost_model.io.items() if k.startswith("nvme")}
+    return {"step_s": sim.step_seconds, "io_s": sim.io_seconds, "exposed_io_s": sim.exposed_io_seconds,
+            "nvme_bytes_per_s": io}
 
 
 def run(policy: str, args: argparse.Namespace) -> list[dict]:

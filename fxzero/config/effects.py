@@ -47,8 +47,9 @@ def slow_settings(config: Config, *, cuda: bool, cpu_capability: Optional[str] =
         return []
     return [f"{bf16} on a CPU without AVX-512 (torch's CPU capability here: {capability}): bfloat16 matmuls have "
             "no fast kernel on it and run tens of times slower than float32 (1.3 GFLOP/s per core against 88 for "
-            "float32 at 512x512, one thread, on an AMD EPYC with AVX2; a CPU with avx512_bf16 runs bfloat16 about 2.5x faster "
-            "than float32); train in float32 here (mixed_precision=None, no autocast), or on a CPU with AVX-512"]
+            "float32 at 512x512, one thread, on an AMD EPYC with AVX2; a CPU with avx512_bf16 runs bfloat16 "
+            "about 2.5x faster than float32); train in float32 here (mixed_precision=None, no autocast), or on "
+            "a CPU with AVX-512"]
 
 
 def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initialized_from_seed: bool) -> list[str]:

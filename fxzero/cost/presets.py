@@ -43,6 +43,9 @@ PRESETS: dict[str, CostModel] = {
     "cpu-loopback": CostModel(
         name="cpu-loopback", flops_per_s=90e9, mem_bytes_per_s=gbps(5), op_overhead_s=25e-6,
         comm_interference=0.5,
+        # The I/O threads beside one compute thread per rank: 0.23-0.54 by the disk probe's
+        # measure_interference, two ranks at once, on the AMD EPYC VM (2026-12-03).
+        io_interference=0.35,
         links={
             "all_gather": Link(bandwidth=gbps(1.2), latency=1e-4),
             "reduce_scatter": Link(bandwidth=gbps(0.8), latency=1e-4),

@@ -92,9 +92,11 @@ def simulate(schedule: Schedule, cost: CostModel) -> SimResult:
                 begin = max(clock["compute"], ready)
                 duration = cost.compute_seconds(ins)
                 stream = "compute"
-                # Communication in flight while this op computes takes part of its CPU.
+                # Communication and storage I/O in flight while this op computes take part of its
+                # CPU.
                 overlap = max(0.0, min(clock["comm"], begin + duration) - begin)
-                duration += cost.comm_interference * overlap
+                io_overlap = max(0.0, min(clock["io"], begin + duration) - begin)
+                duration += cost.comm_interference * overlap + cost.io_interference * io_overlap
                 if waited is not None:
                     collective_end = end.get(waited, begin)
                     if collective_end > begin:

@@ -15,9 +15,9 @@ recomputing a unit]), or, with `Activations(offload=...)`, written to the tier a
    recompute time over its bytes, at most `LAMBDAS` of them) and 0 (recompute nothing) and
    infinity (everything a unit's interior holds), and for each predicts the step's added time:
    the recompute time, plus, for the bytes still over the budget, the offload's writes and
-   reads beyond the forward's and the backward's compute they hide behind (infinite without a
-   tier, or where what cannot move, a model input or a strided view, is over the budget by
-   itself). It takes the least; recompute-only and offload-only are among the candidates (every
+   reads beyond the forward's and the backward's compute they hide behind and the compute they
+   slow where they overlap it (`CostModel.io_interference`; infinite without a tier, or where
+   what cannot move, a model input or a strided view, is over the budget by itself). It takes the least; recompute-only and offload-only are among the candidates (every
    lambda with nothing offloaded; lambda 0), so the plan is predicted no slower than either.
    Where the least recomputes alone and fits, the lambdas between it and the grid's next lower
    one are bisected for the lowest that still fits: the plan that fills the budget to its edge,
@@ -78,6 +78,7 @@ class BudgetPlan:
     recompute_s: float
     offload_bytes: int
     offload_exposed_s: float
+    """The step time the offload adds: transfer no compute hides, and compute it slows (`_offload_s`)."""
     tried: int
 
     def summary(self) -> dict:
@@ -109,6 +110,16 @@ def _state_bytes(node: fx.Node) -> int:
 
 def _transfer_s(cost_model, tier: str, kind: str, n: int) -> float:
     return cost_model.io_seconds(Instruction(name="", kind=kind, stream="io", tier=tier, bytes=n))
+
+
+def _offload_s(cost_model, tier: str, nbytes: int, forward_s: float, backward_s: float) -> float:
+    """The step time offloading `nbytes` adds: the writes beyond the forward's compute and the
+    reads beyond the backward's, which nothing hides, and the compute the transfers slow where
+    they overlap it (`CostModel.io_interference`: on a CPU rank the I/O threads take cores)."""
+    write_s = _transfer_s(cost_model, tier, "offload", nbytes)
+    read_s = _transfer_s(cost_model, tier, "fetch", nbytes)
+    slowed = getattr(cost_model, "io_interference", 0.0) * (min(write_s, forward_s) + min(read_s, backward_s))
+    return max(0.0, write_s - forward_s) + max(0.0, read_s - backward_s) + slowed
 
 
 def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float], tier: Optional[str],
@@ -143,8 +154,7 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
         if over and (tier is None or fixed > budget):  # (what cannot move to the tier: inputs, strided views)
             exposed = float("inf")
         else:
-            exposed = (max(0.0, _transfer_s(cost_model, tier, "offload", over) - forward_s)
-                       + max(0.0, _transfer_s(cost_model, tier, "fetch", over) - backward_s)) if over else 0.0
+            exposed = _offload_s(cost_model, tier, over, forward_s, backward_s) if over else 0.0
         return BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices))
 
     def cost(plan: BudgetPlan) -> float:

@@ -217,6 +217,28 @@ def test_a_transfer_is_priced_by_its_tier(kind, tier, io, want):
     assert result.exposed_comm_seconds == 0.0 and result.comm_seconds == 0.0
 
 
+def test_storage_io_in_flight_slows_compute():
+    """io_interference 0.5: a 1 ms compute under a 10.2 ms NVMe fetch takes 1.5 ms; with none,
+    1 ms; a collective's interference does not apply to a transfer."""
+    fetch = Instruction("t", "fetch", "io", reads=("s",), unit="u0", numel=250_000, bytes=10**6, tier="nvme",
+                        state="exp_avg", buffer="fetched", dtype="float32")
+    mm = Instruction("mm", "compute", "compute", reads=("x",), numel=1, bytes=0, flops=10**9)
+    wait = Instruction("w", "wait", "compute", reads=("t",), deps=(0,), unit="u0", buffer="fetched")
+    free = Instruction("free_w", "free", "compute", reads=("w",), deps=(2,), unit="u0", buffer="fetched")
+    schedule = _schedule(fetch, mm, wait, free, inputs=("s", "x"))
+    validate(schedule)
+    transfer = 2e-4 + 1e6 / 1e8
+    for fields, compute in ((dict(io_interference=0.5), 1.5e-3), (dict(comm_interference=0.5), 1e-3), ({}, 1e-3)):
+        result = simulate(schedule, _model(io=dict(IO), **fields))
+        _assert_timeline(result, [
+            ("t", "io", 0.0, transfer),
+            ("mm", "compute", 0.0, compute),
+            ("w", "compute", transfer, transfer),
+            ("free_w", "compute", transfer, transfer),
+        ])
+        assert result.exposed_io_seconds == pytest.approx(transfer - compute, rel=REL)
+
+
 def test_default_io_figures_are_the_documented_drive():
     assert DEFAULT_IO["nvme_read"] == Link(bandwidth=1.05e9, latency=1e-4)
     assert DEFAULT_IO["nvme_write"] == Link(bandwidth=2.3e9, latency=1e-4)

@@ -6,7 +6,8 @@
 - `aligned`: 4096-aligned host buffers (O_DIRECT in place);
 - `write_behind`: writes copied to memory and finished behind the program's back;
 - `pool`: the executor's per-unit buffers, reused across units and steps;
-- `offload_store`: `OffloadStore`, the config's placements as tiers and keys.
+- `offload_store`: `OffloadStore`, the config's placements as tiers and keys;
+- `disk_probe`: the disk under an `Nvme` placement measured for `cost_model="measure"`.
 """
 
 from fxzero.runtime.storage.aligned import ALIGN, aligned_empty
