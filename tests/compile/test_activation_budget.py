@@ -161,3 +161,16 @@ def test_settings_that_cannot_work_together_are_refused():
         fxzero.Activations(memory_budget=10**6, budget_choices=("offload",))
     with pytest.raises(ValueError, match="prices recompute and offload with the cost model: set Config.cost_model"):
         _train(fxzero.Activations(memory_budget=10**6), cost_model=None, steps=1)
+
+
+def test_an_offload_is_priced_by_what_no_compute_hides_and_the_compute_it_slows():
+    """`_offload_s`, pinned figures: 1e9 bytes written at 1 GB/s (1 s) under a 3 s forward hide
+    entirely; read at 0.5 GB/s (2 s) under a 1.5 s backward, 0.5 s shows; io_interference 0.5
+    slows the compute they overlap, 1 s + 1.5 s of it, by 1.25 s."""
+    from fxzero.passes.activation_budget import _offload_s
+
+    io = {"nvme_write": Link(bandwidth=1e9), "nvme_read": Link(bandwidth=5e8)}
+    pinned = dataclasses.replace(preset("cpu-loopback"), io=io, io_interference=0.0)
+    assert _offload_s(pinned, "nvme", 10**9, 3.0, 1.5) == pytest.approx(0.5)
+    slowed = dataclasses.replace(pinned, io_interference=0.5)
+    assert _offload_s(slowed, "nvme", 10**9, 3.0, 1.5) == pytest.approx(0.5 + 0.5 * (1.0 + 1.5))
