@@ -384,6 +384,22 @@ def test_disk_full_mid_write_is_a_clear_error_at_its_wait(tmp_path, monkeypatch,
 
 
 @pytest.mark.timeout(60)
+def test_a_read_after_a_failed_write_raises_before_the_writes_callback_has_run(tmp_path, monkeypatch):
+    """The failed write's future stays in the tier's per-key record until its done-callback runs,
+    which may come after `wait()` has returned: the read must still raise at once (it raced once
+    in this session's suite runs, in the test above). The callback is held off here, so the test
+    does not race."""
+    with NvmeTier(tmp_path, threads=2, block_bytes=8192, direct=False) as tier:
+        tier.write("k", torch.ones(100)).wait()
+        monkeypatch.setattr(tier, "_forget", lambda key, fut: None)  # (the callback, not yet run)
+        _full_disk_after(monkeypatch, calls=0)
+        with pytest.raises(nvme_module.DiskFull):
+            tier.write("k", torch.zeros(100)).wait()
+        with pytest.raises(IOError, match=r"its last write failed \(the disk was full\)"):
+            tier.read("k")
+
+
+@pytest.mark.timeout(60)
 def test_a_read_queued_behind_a_write_that_finds_the_disk_full_fails_too(tmp_path, monkeypatch):
     with NvmeTier(tmp_path, threads=2, block_bytes=8192, direct=False) as tier:
         tier.write("k", torch.ones(100)).wait()

@@ -315,7 +315,10 @@ class NvmeTier(StorageTier):
 
     def read(self, key: str, out: Optional[torch.Tensor] = None) -> Pending:
         with self._lock:
-            known = key in self._index or key in self._last
+            # A write still in flight decides at the read's turn; a finished one has left the
+            # index as it is (its future may linger in _last until its done-callback runs).
+            before = self._last.get(key)
+            known = key in self._index or (before is not None and not before.done())
         if not known:
             self._record(key)  # raises: never written (KeyError), or its last write failed
         if out is not None and not out.is_contiguous():
