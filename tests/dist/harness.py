@@ -125,16 +125,18 @@ def _stop(procs: list[multiprocessing.process.BaseProcess]) -> None:
             p.join()
 
 
-_PRELOAD = ["torch", "torch.distributed", "fxzero.api", "fxzero.runtime.engine", "tests.dist.harness"]
+_PRELOAD = ["torch", "torch.distributed", "fxzero.api", "fxzero.runtime.engine", "tests.dist.harness",
+            # (what torch imports at a process's first trace: about 0.8 s a rank on 2 cores)
+            "torch._dynamo", "torch._functorch.eager_transforms", "torch.fx.experimental.proxy_tensor"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
     """[Note: ranks fork from a server that has imported torch]
     Every rank of every run starts as a fork of one forkserver process, started at the first
-    run, that has imported torch and fxzero (`_PRELOAD`) and done nothing else: no thread pool,
-    no process group, no CUDA. A rank so starts in milliseconds where a spawned interpreter
-    takes about 3.7 s to import them (on 2 cores, seconds of every distributed test), and still
-    starts clean, as a spawned one would. Ranks see the environment as it was when the server
+    run, that has imported torch and fxzero, and what torch imports lazily at the first trace
+    (`_PRELOAD`), and done nothing else: no thread pool, no process group, no CUDA. A rank so
+    starts in milliseconds where a spawned interpreter takes about 3.7 s to import them (on 2
+    cores, seconds of every distributed test), and still starts clean, as a spawned one would. Ranks see the environment as it was when the server
     started: a test passes what a rank must know as arguments, not by changing os.environ."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
