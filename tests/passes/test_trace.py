@@ -202,3 +202,35 @@ def test_tensor_constants_from_python_values_are_made_in_the_graph_or_named():
     assert any(n.target is torch.ops.aten.full.default for n in traced.gm.graph.nodes)
     with pytest.raises(ValueError, match=r"constant tensor of shape \(2,\) from Python data .* register_buffer"):
         trace_joint(_ConstantFromData([1.0, 2.0]), [x])
+
+
+class _InPlace(nn.Module):
+    """In-place operators of every kind a model writes: an in-place activation, dropout (whose
+    decomposition draws with `bernoulli_`), and a tensor updated with `add_` and `mul_`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act, self.drop = nn.ReLU(inplace=True), nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.a(x)))
+        h.add_(1.0).mul_(0.5)
+        return self.b(h).sum()
+
+
+@pytest.mark.parametrize("name", ["mlp", "tied", "bn", "frozen", "chunked", "weight_dropout", "in_place"])
+def test_the_joint_graph_mutates_nothing(name):
+    """The passes read a functional graph: whether the first trace had in-place operators to
+    rewrite (dropout, BatchNorm's running statistics, the model's own `add_`) or none (then it is
+    kept as it is: [Note: a trace with nothing to functionalize]), no operator in what
+    trace_joint returns writes into an argument."""
+    if name == "in_place":
+        torch.manual_seed(0)
+        tr = trace_joint(_InPlace(), [torch.randn(3, 4)])
+    else:
+        tr = traced(name)
+    mutating = [str(n.target) for n in tr.gm.graph.nodes if n.op == "call_function"
+                and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+    assert mutating == []
+    assert any(n.op == "call_function" for n in tr.gm.graph.nodes)
