@@ -46,7 +46,7 @@ from fxzero.ir.rng import STATE_BYTES
 from fxzero.ir.sizes import nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, phase
 from fxzero.passes.offload_activations import PLACEMENT, _can_offload, saved_tensors
-from fxzero.passes.recompute_cut import cut
+from fxzero.passes.recompute_cut import CutGraph
 from fxzero.passes.runner import Pass, PassContext, PassResult
 
 __all__ = ["LAMBDAS", "BudgetError", "BudgetPlan", "make_plan_offload", "plan_offload", "plan_recompute"]
@@ -140,12 +140,10 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
     step = max(1, len(ratios) // LAMBDAS)
     prices = [0.0] + ratios[::step] + [float(_INFINITE)] if may_recompute else [0.0]
 
-    def recompute_cost(n: fx.Node) -> Optional[int]:
-        return ns[n] if interior(n) else None
+    network = CutGraph(graph, param_only, recompute_cost=lambda n: ns[n] if interior(n) else None)
 
     def plan_at(price: float) -> BudgetPlan:
-        chosen = cut(graph, param_only, recompute_cost=recompute_cost,
-                     keep_cost=lambda n: int(price * nbytes(n.meta.get("val")) * weight[n]))
+        chosen = network.solve(lambda n: int(price * nbytes(n.meta.get("val")) * weight[n]))
         states = sum(_state_bytes(n) for n in chosen.recomputed)
         kept = _kept_bytes(chosen.kept) + states
         fixed = _kept_bytes(n for n in chosen.kept if not _can_offload(alias_root(n))) + states

@@ -31,12 +31,13 @@ import operator
 from typing import Callable, Optional
 
 import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
 import torch.fx as fx
 
 from fxzero.ir.sizes import flops, nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, phase
 
-__all__ = ["Cut", "cut", "selective_cut"]
+__all__ = ["Cut", "CutGraph", "cut", "selective_cut"]
 
 
 class Cut:
@@ -73,40 +74,59 @@ def cut(graph: fx.Graph, param_only: Callable[[fx.Node], bool], *,
     what recomputing v costs (None: it cannot be), `keep_cost(v)` what keeping it costs, both
     integers; values derived from parameters alone are free. The cut's value is the least total
     of the two over every way the backward can have what it reads."""
-    g = nx.DiGraph()
-    candidates, costly_kept = set(), set()
-    for node in graph.nodes:
-        if node.op == "output" or phase(node) != FORWARD:
-            continue
-        if param_only(node):
-            continue  # (always available in the backward, at no cost: no edges needed)
-        price = recompute_cost(node) if node.op == "call_function" else None
-        if price is None:
-            g.add_edge("source", (node, "in"))
-            if costly(node):
-                costly_kept.add(node)
-        else:
-            candidates.add(node)
-            if price > 0:
-                g.add_edge("source", (node, "in"), capacity=price)
-        tuple_valued = isinstance(node.meta.get("val"), (tuple, list))
-        if tuple_valued:
-            g.add_edge((node, "in"), (node, "out"))  # (a tuple is kept by its elements, never whole)
-        else:
-            g.add_edge((node, "in"), (node, "out"), capacity=keep_cost(node))
-        for inp in node.all_input_nodes:
-            if phase(inp) == FORWARD and (inp, "out") in g:
-                g.add_edge((inp, "out"), (node, "in"))
-    for node in graph.nodes:
-        if node.op == "output" or phase(node) != BACKWARD:
-            continue
-        for inp in node.all_input_nodes:
-            if (inp, "out") in g:
-                g.add_edge((inp, "out"), "sink")
-    if "sink" not in g or "source" not in g:
-        return Cut(set(), set(), costly_kept)
-    _, (forward_side, backward_side) = nx.minimum_cut(g, "source", "sink")
-    recomputed = {n for n in candidates if (n, "in") in backward_side}
-    kept = {n for n in g.nodes if isinstance(n, tuple) and n[1] == "in" and n in forward_side
-            and (n[0], "out") in backward_side}
-    return Cut(recomputed, {n for n, _ in kept}, costly_kept)
+    return CutGraph(graph, param_only, recompute_cost=recompute_cost, costly=costly).solve(keep_cost)
+
+
+class CutGraph:
+    """The flow network of [Note: selective recompute] over `graph`'s forward, built once and cut
+    at any keep cost: the budget planner cuts one graph at many prices of memory, which change
+    only the keep edges' capacities."""
+
+    def __init__(self, graph: fx.Graph, param_only: Callable[[fx.Node], bool], *,
+                 recompute_cost: Callable[[fx.Node], Optional[int]],
+                 costly: Callable[[fx.Node], bool] = lambda n: False) -> None:
+        g = nx.DiGraph()
+        self.candidates, self.costly_kept, self.keep_edges = set(), set(), []
+        for node in graph.nodes:
+            if node.op == "output" or phase(node) != FORWARD:
+                continue
+            if param_only(node):
+                continue  # (always available in the backward, at no cost: no edges needed)
+            price = recompute_cost(node) if node.op == "call_function" else None
+            if price is None:
+                g.add_edge("source", (node, "in"))
+                if costly(node):
+                    self.costly_kept.add(node)
+            else:
+                self.candidates.add(node)
+                if price > 0:
+                    g.add_edge("source", (node, "in"), capacity=price)
+            g.add_edge((node, "in"), (node, "out"))
+            if not isinstance(node.meta.get("val"), (tuple, list)):  # (a tuple is kept by its elements, never whole)
+                self.keep_edges.append(node)
+            for inp in node.all_input_nodes:
+                if phase(inp) == FORWARD and (inp, "out") in g:
+                    g.add_edge((inp, "out"), (node, "in"))
+        for node in graph.nodes:
+            if node.op == "output" or phase(node) != BACKWARD:
+                continue
+            for inp in node.all_input_nodes:
+                if (inp, "out") in g:
+                    g.add_edge((inp, "out"), "sink")
+        self.g = g
+
+    def solve(self, keep_cost: Callable[[fx.Node], int]) -> Cut:
+        """The minimum cut with keeping v costing `keep_cost(v)`. (Boykov-Kolmogorov: on these
+        graphs about twice as fast as networkx's default preflow-push. The partition is the same
+        whichever maximum flow an algorithm finds: networkx takes as the backward's side what can
+        still reach the sink in the residual network, which every maximum flow leaves alike.)"""
+        g = self.g
+        if "sink" not in g or "source" not in g:
+            return Cut(set(), set(), self.costly_kept)
+        for node in self.keep_edges:
+            g.edges[(node, "in"), (node, "out")]["capacity"] = keep_cost(node)
+        _, (forward_side, backward_side) = nx.minimum_cut(g, "source", "sink", flow_func=boykov_kolmogorov)
+        recomputed = {n for n in self.candidates if (n, "in") in backward_side}
+        kept = {n for n in g.nodes if isinstance(n, tuple) and n[1] == "in" and n in forward_side
+                and (n[0], "out") in backward_side}
+        return Cut(recomputed, {n for n, _ in kept}, self.costly_kept)
