@@ -80,6 +80,8 @@ class BudgetPlan:
     offload_exposed_s: float
     """The step time the offload adds: transfer no compute hides, and compute it slows (`_offload_s`)."""
     tried: int
+    fixed_bytes: int = 0
+    """Of `kept_bytes`, what cannot move to a tier (model inputs, strided views, generator states)."""
 
     def summary(self) -> dict:
         return {"budget_price_ns_per_byte": self.price_ns_per_byte, "budget_recomputed": len(self.recomputed),
@@ -153,7 +155,7 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
             exposed = float("inf")
         else:
             exposed = _offload_s(cost_model, tier, over, forward_s, backward_s) if over else 0.0
-        return BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices))
+        return BudgetPlan(price, chosen.recomputed, kept, recompute_s, over, exposed, len(prices), fixed_bytes=fixed)
 
     def cost(plan: BudgetPlan) -> float:
         return plan.recompute_s + plan.offload_exposed_s
@@ -161,19 +163,29 @@ def plan_recompute(graph: fx.Graph, *, budget: int, seconds: dict[fx.Node, float
     best, least = None, None
     for price in prices:
         plan = plan_at(price)
-        if least is None or plan.kept_bytes < least.kept_bytes:
+        if least is None or (plan.fixed_bytes if tier else plan.kept_bytes) < (least.fixed_bytes if tier else
+                                                                              least.kept_bytes):
             least = plan
         if plan.offload_exposed_s != float("inf") and (best is None or cost(plan) < cost(best)):
             best = plan
     if best is not None and best.offload_bytes == 0 and best.price_ns_per_byte > 0:
         best = _to_the_edge(best, max(p for p in prices if p < best.price_ns_per_byte), plan_at, cost)
     if best is None:
-        raise BudgetError(
-            f"Activations(memory_budget={budget}) cannot be met by recompute alone: the least this program can "
-            f"keep for its backward is {least.kept_bytes} bytes per rank (every unit's interior recomputed). "
-            "Raise memory_budget, or let the planner offload too: Activations(offload=fxzero.Nvme(path=...)) "
-            "with 'offload' in budget_choices")
+        raise BudgetError(_unmet(budget, least, tier, may_recompute))
     return best
+
+
+def _unmet(budget: int, least: BudgetPlan, tier: Optional[str], may_recompute: bool) -> str:
+    """Why no plan meets `budget`, with the least a plan keeps, and what would."""
+    how = "with every unit's interior recomputed" if may_recompute else "with nothing recomputed (budget_choices)"
+    if tier is None:
+        return (f"Activations(memory_budget={budget}) cannot be met without a tier: the least this program can keep "
+                f"for its backward is {least.kept_bytes} bytes per rank, {how}. Raise memory_budget, or let the "
+                "planner offload too: Activations(offload=fxzero.Nvme(path=...)) with 'offload' in budget_choices")
+    return (f"Activations(memory_budget={budget}) cannot be met even with the {tier} tier: {least.fixed_bytes} bytes "
+            "per rank of what this program keeps for its backward cannot move to a tier (the model's inputs, views "
+            f"that are not the whole of their storage, generator states), {how}. Raise memory_budget: it must be "
+            f"at least {least.fixed_bytes}")
 
 
 def make_plan_offload(*, budget: int, tier: str, cost_model, may_offload: bool = True) -> Pass:

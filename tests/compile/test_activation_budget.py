@@ -143,9 +143,20 @@ def test_the_planner_does_only_what_budget_choices_allow(resident, least, tmp_pa
 
 
 def test_a_budget_no_plan_meets_names_the_least(least):
-    with pytest.raises(ValueError, match=r"memory_budget=1000\) cannot be met by recompute alone: the least this "
+    with pytest.raises(ValueError, match=r"memory_budget=1000\) cannot be met without a tier: the least this "
                                          r"program can keep for its backward is \d+ bytes per rank.*Nvme"):
         _train(fxzero.Activations(memory_budget=1000), steps=1)
+
+
+def test_a_budget_not_even_a_tier_meets_names_what_cannot_move(tmp_path):
+    """With a tier, what stays is what cannot move: the model's input ids (4 x 32 int64, 1024
+    bytes) are kept whatever the plan; the error says so, not to add a tier."""
+    with pytest.raises(ValueError, match=r"memory_budget=100\) cannot be met even with the nvme tier: (\d+) bytes per "
+                                         r"rank of what this program keeps for its backward cannot move to a tier "
+                                         r".*Raise memory_budget: it must be at least \1$") as error:
+        _train(fxzero.Activations(memory_budget=100, offload=fxzero.Nvme(path=str(tmp_path)), offload_min_bytes=0),
+               steps=1)
+    assert int(error.value.args[0].split("tier: ")[1].split()[0]) >= 1024
 
 
 def test_settings_that_cannot_work_together_are_refused():
