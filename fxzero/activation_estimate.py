@@ -19,10 +19,13 @@ Each storage is said for what it is, from the recompute regions ([Note: recomput
 
 - "input" of a unit: made outside a region and read inside it (the previous block's output,
   the embeddings, positions): what `recompute="unit"` keeps of each unit;
-- "random" of a unit: made inside a region by a random operator (dropout, and attention, which
-  torch tags as random for its dropout) and kept, or the generator state kept to draw it again
-  in the backward (whichever is smaller: [Note: replaying random operators] in
-  `fxzero/ir/rng.py`);
+- "random" of a unit: made inside a region by a random operator (dropout) and kept, or the
+  generator state kept to draw it again in the backward (whichever is smaller: [Note: replaying
+  random operators] in `fxzero/ir/rng.py`);
+- "attention" of a unit: what a fused attention inside a region made (its output, its
+  logsumexp), kept under `Activations(keep_attention=True)` ([Note: keeping attention] in
+  `fxzero/config/activations.py`), or where it takes fewer bytes than the generator state that
+  would replay it (torch tags attention as random, for its dropout);
 - "inside" of a unit: made inside a region and kept for another reason (a model's own
   checkpoint region's outputs, say);
 - "resident": everything else, outside any region or read by the root (counted for "root"): the
@@ -41,9 +44,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from fxzero.ir.rng import rng_state
+from fxzero.ir.sizes import is_fused_attention
 
-__all__ = ["ActivationCount", "SavedStorage", "count_saved", "estimate_activations", "megatron_per_layer",
-           "transformer_shape"]
+__all__ = ["POLICIES", "ActivationCount", "SavedStorage", "count_saved", "estimate_activations", "megatron_per_layer",
+           "policy_activations", "transformer_shape"]
 
 _SCOPE = "fxzero_scope"
 
@@ -58,7 +62,8 @@ class SavedStorage:
     unit: Optional[str]
     """The region it is counted for (None: root)."""
     kind: str
-    """"input", "random", "inside" or "resident" ([Note: counting saved activations from the program])."""
+    """"input", "random", "attention", "inside" or "resident" ([Note: counting saved activations from
+    the program])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,7 @@ class ActivationCount:
         return sum(s.nbytes for s in self.storages)
 
     def by_kind(self) -> dict[str, int]:
-        out = {"input": 0, "random": 0, "inside": 0, "resident": 0}
+        out = {"input": 0, "random": 0, "attention": 0, "inside": 0, "resident": 0}
         for s in self.storages:
             out[s.kind] += s.nbytes
         return out
@@ -144,7 +149,8 @@ def _classify(node: fx.Node) -> tuple[Optional[str], str]:
         return outside, "input"
     if scope is None or None in readers:  # (made by a unit, read by the root: the root's input)
         return None, "resident"
-    return scope, "random" if _random(node) else "inside"
+    made = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node
+    return scope, "attention" if is_fused_attention(made) else "random" if _random(node) else "inside"
 
 
 def count_saved(compiled: Any, policy: str) -> ActivationCount:
@@ -170,17 +176,32 @@ def count_saved(compiled: Any, policy: str) -> ActivationCount:
     return ActivationCount(policy, tuple(storages.values()), tensors, tensor_bytes, kept_bytes, fused)
 
 
+POLICIES = ("none", "unit", "unit-attention", "selective")
+"""What `estimate_activations` counts: `Activations(recompute=...)`, and "unit-attention" for
+`Activations(recompute="unit", keep_attention=True)`."""
+
+
+def policy_activations(policy: str) -> Any:
+    """The `fxzero.Activations` a policy of `POLICIES` names."""
+    import fxzero
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown activation policy {policy!r}; choose one of {POLICIES}")
+    if policy == "unit-attention":
+        return fxzero.Activations(recompute="unit", keep_attention=True)
+    return fxzero.Activations(recompute=policy)
+
+
 def estimate_activations(model: nn.Module, args: Sequence[torch.Tensor], config: Any, *, world_size: int,
                          kwargs: Optional[Mapping[str, Any]] = None, policies: Sequence[str] = ("none", "unit"),
                          device: str = "cpu") -> dict[str, ActivationCount]:
-    """Compile `model(*args, **kwargs)` (a meta model: nothing is allocated) under each
-    `Activations(recompute=...)` policy, with `config`'s other settings, and count what each
-    forward keeps."""
+    """Compile `model(*args, **kwargs)` (a meta model: nothing is allocated) under each policy of
+    `POLICIES`, with `config`'s other settings, and count what each forward keeps."""
     import fxzero
 
     out = {}
     for policy in policies:
-        cfg = dataclasses.replace(config, activations=fxzero.Activations(recompute=policy))
+        cfg = dataclasses.replace(config, activations=policy_activations(policy))
         compiled = fxzero.compile_program(model, args, cfg, world_size=world_size, kwargs=kwargs, device=device)
         out[policy] = count_saved(compiled, policy)
     return out

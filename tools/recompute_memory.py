@@ -31,16 +31,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.torchrun_ranks import run_ranks  # noqa: E402
 
-POLICIES = ("none", "unit", "selective", "budget", "budget-recompute", "budget-offload")
-"""Recompute policies, and the memory budget's planner (--budget-mib) free to recompute and offload
-to NVMe, or limited to one of them (`Activations.budget_choices`)."""
+POLICIES = ("none", "unit", "unit-attention", "selective", "budget", "budget-recompute", "budget-offload")
+"""Recompute policies ("unit-attention": recompute="unit", keep_attention=True), and the memory
+budget's planner (--budget-mib) free to recompute and offload to NVMe, or limited to one of them
+(`Activations.budget_choices`)."""
 
 
 def activations(policy: str, args: argparse.Namespace):
     import fxzero
 
     if not policy.startswith("budget"):
-        return fxzero.Activations(recompute=policy)
+        from fxzero.activation_estimate import policy_activations
+
+        return policy_activations(policy)
     if args.budget_mib is None:
         raise SystemExit(f"--policies {policy} needs --budget-mib")
     budget = int(args.budget_mib * 2**20)

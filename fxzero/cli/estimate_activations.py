@@ -17,7 +17,7 @@ from fxzero.viz.fmt import human_bytes
 
 __all__ = ["activations_result", "print_activations", "shaped_call"]
 
-POLICIES = {"none": ("none",), "unit": ("unit",), "selective": ("selective",), "all": ("none", "unit", "selective")}
+POLICIES = {**{p: (p,) for p in act.POLICIES}, "all": act.POLICIES}
 
 _POSITIONS = ("seq_len", "max_position_embeddings", "n_positions")
 """Config fields that bound a model's sequence (zoo, Hugging Face), in the order asked."""
@@ -131,10 +131,13 @@ def print_activations(result: dict) -> None:
             parts.insert(0, f"unit inputs {human_bytes(kinds['input'])} ({len(units)} units)")
         if kinds["random"]:
             parts.insert(1, f"random draws or their generator states kept {human_bytes(kinds['random'])} "
-                                "(dropout; attention, tagged random)")
+                                "(dropout)")
+        if kinds["attention"]:
+            parts.insert(1, f"fused attention's outputs {human_bytes(kinds['attention'])}")
         if kinds["inside"]:
             parts.insert(1, f"other kept inside units {human_bytes(kinds['inside'])}")
-        click.echo(f"  recompute=\"{policy}\": {human_bytes(c['total'])}: " + ", ".join(parts))
+        label = 'recompute="unit", keep_attention=True' if policy == "unit-attention" else f'recompute="{policy}"'
+        click.echo(f"  {label}: {human_bytes(c['total'])}: " + ", ".join(parts))
         groups: dict[tuple, list[str]] = {}  # (units keeping the same bytes, on one line)
         for unit in units:
             groups.setdefault(tuple(sorted(c["by_unit"][unit].items())), []).append(unit)

@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from fxzero import estimate
+from fxzero.activation_estimate import POLICIES as ACTIVATION_POLICIES
 from fxzero.cli.common import CLIError, DEFAULT_WORLD, MODEL_CONFIG_HELP, reports_errors
 from fxzero.viz.fmt import human_bytes, human_count
 
@@ -73,10 +74,11 @@ def _rows(phi: float, world: int, offload, layouts=None) -> list[dict]:
 @click.option("--accumulation", type=click.IntRange(min=1), default=1, show_default=True, metavar="K",
               help="With MODEL: also show gradient accumulation over K micro-steps under both policies "
                    "(Config.gradient_accumulation): gradient bytes held and reduce-scatter bytes per optimizer step.")
-@click.option("--activations", "activations", type=click.Choice(["none", "unit", "selective", "all"]), default=None,
+@click.option("--activations", "activations", type=click.Choice([*ACTIVATION_POLICIES, "all"]), default=None,
               help="With MODEL: also the activation bytes per rank the forward keeps for the backward under "
-                   "Activations(recompute=...) (all: each), counted from the compiled program, and Megatron's "
-                   "formula beside them for a transformer. Implied by --seq or --micro-batch.")
+                   "Activations(recompute=...) (unit-attention: recompute='unit', keep_attention=True; all: each), "
+                   "counted from the compiled program, and Megatron's formula beside them for a transformer. "
+                   "Implied by --seq or --micro-batch.")
 @click.option("--seq", type=click.IntRange(min=1), default=None, metavar="S",
               help="Sequence length of the activation estimate (dimension 1 of the token inputs; default: the "
                    "model's example inputs').")

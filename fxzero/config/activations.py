@@ -14,6 +14,19 @@ generator's state from just before each draw, and the backward draws again from 
 replaying random operators] in `fxzero/ir/rng.py`), so a recomputed step equals a resident one
 bit for bit at the cost of a state (5056 bytes on the CPU, 16 on CUDA) instead of a mask. Tensor
 values are recomputed by the same operators on the same inputs, so they are equal bit for bit.
+
+[Note: keeping attention]
+A fused attention (`scaled_dot_product_attention`'s flash, memory-efficient or CPU kernel) costs
+4·s²·h FLOPs a sequence in its forward and makes s·h values and a logsumexp of s per head: at
+sequence 1024 and width 512 it is a third of a GPT block's forward FLOPs for as many bytes as
+the block's input, and its share grows with the sequence (s/6h of the block's matmuls). Its
+backward recomputes the attention scores from q, k, v and the logsumexp in any case, so keeping
+its outputs is all its backward needs from it. With `keep_attention=True` a unit keeps them
+beside its inputs and recomputes the rest of its forward (the projections that make q, k and v,
+the norms, the MLP): the same rule as torch's selective checkpointing policies that save SDPA's
+outputs (torchtitan's "op" mode). A recomputed attention with dropout draws again from its
+generator state; a kept one needs no state. What is kept is what the forward made, so the step
+is still equal bit for bit to the resident one.
 """
 
 from __future__ import annotations
@@ -43,6 +56,13 @@ class Activations:
     "selective": of each unit, the outputs of matmuls and attention are kept too and the cheap
     operators recomputed, what is kept chosen by a minimum cut over bytes ([Note: selective
     recompute] in `fxzero/passes/recompute_cut.py`)."""
+
+    keep_attention: bool = False
+    """With recompute="unit" (or a model's own torch.utils.checkpoint regions): each unit (region)
+    keeps its fused attentions' outputs (the output, the logsumexp) beside its inputs, and its
+    backward recomputes the rest of its forward but not the attention ([Note: keeping
+    attention]): for a transformer block, as many bytes again as its input for a third or more
+    of its recompute (more at longer sequences)."""
 
     offload: Optional[Union[Cpu, Nvme]] = None
     """Where saved activations the backward needs late wait between their last forward use and
@@ -75,6 +95,13 @@ class Activations:
             raise ValueError(f"Activations(offload_min_bytes=...) must be >= 0, got {self.offload_min_bytes}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Activations(recompute=...) must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if not isinstance(self.keep_attention, bool):
+            raise TypeError(f"Activations(keep_attention=...) must be True or False, got {self.keep_attention!r}")
+        if self.keep_attention and (self.recompute == "selective" or self.memory_budget is not None):
+            why = ("the memory budget's planner chooses what to keep itself" if self.memory_budget is not None else
+                   "selective recompute keeps attention's outputs already")
+            raise ValueError(f"Activations(keep_attention=True) applies to recompute='unit' (and a model's own "
+                             f"checkpointed regions), and here {why}: leave keep_attention unset")
         if self.memory_budget is not None:
             if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
                 raise ValueError(f"Activations(memory_budget=...) must be a positive number of bytes, "

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from fxzero._compat import pytree
 from fxzero.ir.rng import replay
 
-__all__ = ["concrete", "flops", "itemsize_of", "nbytes", "register_sizes", "round_up", "value_size"]
+__all__ = ["concrete", "flops", "is_fused_attention", "itemsize_of", "nbytes", "register_sizes", "round_up", "value_size"]
 
 _SIZES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 """ShapeEnv -> {sympy symbol: int}: what its symbols are evaluated at (`register_sizes`)."""
@@ -101,6 +101,20 @@ _MORE_FLOPS = {
 """Attention on CPU tensors, which torch's registry lacks (its CUDA kernels it has): torch's own
 SDPA formulas, so a CPU program's attention is priced as the same shapes' GPU one (issue 26: it
 was priced at 0 FLOPs, and long sequences were predicted far too fast)."""
+
+
+_FUSED_ATTENTION = frozenset(getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(torch.ops.aten, name))
+"""The forward kernels `scaled_dot_product_attention` dispatches to: each makes the output and a
+logsumexp from which its backward recomputes the attention scores."""
+
+
+def is_fused_attention(node: fx.Node) -> bool:
+    """Whether `node` is a fused attention's forward (`_FUSED_ATTENTION`)."""
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _FUSED_ATTENTION
 
 
 def flops(node: fx.Node) -> int:

@@ -8,7 +8,8 @@ backward from the unit's own buffer, so gathered parameters never cross the boun
 Inside a recompute region (a unit under `Activations(recompute="unit")`, a model's own
 torch.utils.checkpoint call: [Note: recompute regions] in `fxzero/trace.py`), a value that stays
 in the region is recomputed in the backward the same way, from what the region kept: its inputs
-and its random operators' draws ([Note: recomputing a unit] in `fxzero/config/activations.py`).
+and its random operators' draws ([Note: recomputing a unit] in `fxzero/config/activations.py`);
+with `Activations(keep_attention=True)`, its fused attentions' outputs too.
 
 A size (`aten.sym_size` of a forward value, and arithmetic on sizes, in a program traced with
 symbolic sizes) that the backward reads is computed in the forward: the backward then saves an
@@ -32,9 +33,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxzero.config.notices import warn_ineffective
 from fxzero.ir.alias import alias_root, alias_source
 from fxzero.ir.rng import STATE_BYTES, replay, rng_state
-from fxzero.ir.sizes import nbytes
+from fxzero.ir.sizes import is_fused_attention, nbytes
 from fxzero.ir.tags import BACKWARD, FORWARD, is_kind, kind, output_node, phase, positions, tag
 from fxzero.passes.activation_budget import plan_recompute
 from fxzero.passes.recompute_cut import selective_cut
@@ -134,22 +136,25 @@ def _sink_backward_views(graph: fx.Graph) -> int:
     return moved
 
 
-def _interior(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+def _interior(node: fx.Node, memo: dict[fx.Node, bool], keep_attention: bool = False) -> bool:
     """[Note: recomputing a unit] A deterministic forward tensor computed inside a recompute
     region (a unit's module, a torch.utils.checkpoint call: [Note: recompute regions] in
     `fxzero/trace.py`) whose every forward use is inside the same region: the backward recomputes
     it from the region's inputs, a random operator's draw from the generator state kept for it
     ([Note: replaying random operators] in `fxzero/ir/rng.py`). A value that leaves the region
-    (the next one's input, an output of the program) is kept."""
+    (the next one's input, an output of the program) is kept, and with `keep_attention` so is
+    what a fused attention made (its output, its logsumexp: [Note: keeping attention] in
+    `fxzero/config/activations.py`)."""
     if node in memo:
         return memo[node]
     scope = node.meta.get(_SCOPE)
     result = (node.op == "call_function" and scope is not None and phase(node) == FORWARD
               and not _is_size(node) and node.target is not rng_state and not _draw_smaller_than_state(node)
+              and not (keep_attention and is_fused_attention(node))
               and all(u.op == "call_function" and (phase(u) == BACKWARD or u.meta.get(_SCOPE) == scope)
                       for u in node.users))
     if result and node.target is operator.getitem:  # (an element of a tuple the unit made: recomputed with it)
-        result = _interior(node.args[0], memo)
+        result = _interior(node.args[0], memo, keep_attention)
     memo[node] = result
     return result
 
@@ -178,15 +183,18 @@ def _state_before(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return state
 
 
-def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.Node, bool]) -> bool:
+def _can_recompute(node: fx.Node, memo: dict[fx.Node, bool], interior: dict[fx.Node, bool],
+                   keep_attention: bool = False) -> bool:
     if node.op != "call_function":
         return False
-    return _param_only(node, memo) or _interior(node, interior)
+    return _param_only(node, memo) or _interior(node, interior, keep_attention)
 
 
 def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = "unit", budget: int | None = None,
-                         cost_model=None, tier: str | None = None, may_recompute: bool = True) -> PassResult:
-    """`recompute`: how a recompute region's interior is recomputed: "unit", all of it; "selective",
+                         cost_model=None, tier: str | None = None, may_recompute: bool = True,
+                         keep_attention: bool = False) -> PassResult:
+    """`recompute`: how a recompute region's interior is recomputed: "unit", all of it (but, with
+    `keep_attention`, what a fused attention made); "selective",
     what a minimum cut chooses ([Note: selective recompute] in `fxzero/passes/recompute_cut.py`);
     with `budget`, what the planner chooses for that many bytes, priced by `cost_model`, `tier`
     where it may offload the rest ([Note: planning activations under a budget]). A program
@@ -211,7 +219,7 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
     recomputed = 0
 
     def recomputable(node: fx.Node) -> bool:
-        return _can_recompute(node, memo, interior)
+        return _can_recompute(node, memo, interior, keep_attention)
 
     cut = None
     if budget is not None:  # ([Note: planning activations under a budget] in activation_budget.py)
@@ -254,6 +262,14 @@ def separate_phases_pass(gm: fx.GraphModule, ctx: PassContext, recompute: str = 
     n_fwd = sum(1 for n in graph.nodes if phase(n) == FORWARD)
     summary = {"forward_nodes": n_fwd, "recomputed_in_backward": recomputed, "sizes_from_forward": sizes_moved,
                "views_sunk": views_sunk}
+    if keep_attention:
+        kept = sum(1 for n in graph.nodes if phase(n) == FORWARD and n.meta.get(_SCOPE) is not None
+                   and is_fused_attention(n))
+        summary["attention_kept"] = kept
+        if not kept:
+            warn_ineffective(["Activations(keep_attention=True) has no effect on this model: no recompute region "
+                              "computes a fused attention (torch.nn.functional.scaled_dot_product_attention) whose "
+                              "outputs it could keep; leave keep_attention unset"])
     if cut is not None:
         summary.update(cut.summary())
     return PassResult(gm, changed=True, summary=summary)
@@ -263,10 +279,11 @@ PASS = Pass("separate_phases", separate_phases_pass, requires=REQUIRES, provides
 
 
 def make(recompute: str = "none", budget: int | None = None, cost_model=None, tier: str | None = None,
-         may_recompute: bool = True) -> Pass:
-    """The pass for an `Activations(recompute=..., memory_budget=...)` policy."""
-    if recompute != "selective" and budget is None:
+         may_recompute: bool = True, keep_attention: bool = False) -> Pass:
+    """The pass for an `Activations(recompute=..., memory_budget=..., keep_attention=...)` policy."""
+    if recompute != "selective" and budget is None and not keep_attention:
         return PASS
     return Pass("separate_phases", functools.partial(separate_phases_pass, recompute=recompute, budget=budget,
-                                                     cost_model=cost_model, tier=tier, may_recompute=may_recompute),
+                                                     cost_model=cost_model, tier=tier, may_recompute=may_recompute,
+                                                     keep_attention=keep_attention),
                 requires=REQUIRES, provides=PROVIDES)

@@ -151,14 +151,18 @@ def test_activations_per_policy_from_the_program_and_megatron(runner):
     got = _json(runner, "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3")["activations"]
     assert (got["seq"], got["micro_batch"]) == (8, 3)
     per = got["per_policy"]
-    assert set(per) == {"none", "unit", "selective"}
+    assert set(per) == {"none", "unit", "unit-attention", "selective"}
     assert per["unit"]["by_kind"]["input"] == 4 * 3 * 8 * 32 * 4
+    # (so small that "unit" keeps each attention's outputs already: fewer bytes than the
+    # generator state that would replay it)
+    assert per["unit"]["by_kind"]["attention"] == 4 * (3 * 8 * 32 + 3 * 2 * 8) * 4
+    assert per["unit-attention"] == {**per["unit"], "policy": "unit-attention"}
     assert per["none"]["by_kind"]["input"] == 0 and per["none"]["total"] == per["none"]["by_kind"]["resident"]
     assert 0 < per["unit"]["total"] < per["selective"]["total"] < per["none"]["total"]
     # the library's figure for the same call (int64 ids of shape (3, 8), 2 ranks)
     model = build_model("gpt-tiny")
     direct = estimate_activations(model, (torch.zeros(3, 8, dtype=torch.int64),), __import__("fxzero").Config(
-        cost_model=None), world_size=2, policies=("none", "unit", "selective"))
+        cost_model=None), world_size=2, policies=("none", "unit", "unit-attention", "selective"))
     assert {p: c.total for p, c in direct.items()} == {p: c["total"] for p, c in per.items()}
     m = got["megatron"]
     assert (m["hidden"], m["heads"], m["layers"]) == (32, 2, 4)
@@ -174,7 +178,7 @@ def test_activations_text(runner):
     out = invoke(runner, "estimate", "gpt-tiny", "--world", "2", "--seq", "8", "--micro-batch", "3").output
     assert 'recompute="none"' in out and 'recompute="unit"' in out and "unit inputs 12 KiB (4 units)" in out
     # per block: its input (3 x 8 x 32 fp32) and attention's output and log-sum-exp (+ 3 x 2 x 8 fp32)
-    assert "4 units, blocks.0 .. blocks.3, each: input 3 KiB, random 3.19 KiB" in out
+    assert "4 units, blocks.0 .. blocks.3, each: attention 3.19 KiB, input 3 KiB" in out
     assert "Megatron's formula" in out and "34sbh + 5as^2b" in out
     assert "not included: temporary buffers" in out
     plain = invoke(runner, "estimate", "gpt-tiny", "--world", "2").output

@@ -1,6 +1,6 @@
-"""`Activations(recompute="unit")` and `"selective"` on 2 ranks at ZeRO-3, fp32: a Hugging Face
-GPT-2 with its dropouts trains 10 steps bit for bit as the resident run does on the same ranks,
-with the same all-gather bytes ([Note: recomputing a unit] in `fxzero/config/activations.py`,
+"""`Activations(recompute="unit")` (with and without `keep_attention`) and `"selective"` on 2 ranks
+at ZeRO-3, fp32: a Hugging Face GPT-2 with its dropouts trains 10 steps bit for bit as the
+resident run does on the same ranks, with the same all-gather bytes ([Note: recomputing a unit] in `fxzero/config/activations.py`,
 [Note: selective recompute] in `fxzero/passes/recompute_cut.py`)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxzero
+from fxzero.activation_estimate import policy_activations
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +23,7 @@ def _train(rank: int, recompute: str, stage: int):
     torch.manual_seed(0)
     state = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG)).state_dict()
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
-    config = fxzero.Config(stage=stage, cost_model=None, activations=fxzero.Activations(recompute=recompute))
+    config = fxzero.Config(stage=stage, cost_model=None, activations=policy_activations(recompute))
     engine = fxzero.compile(model, config, state_dict=state)
     torch.manual_seed(100 + rank)  # (each rank's dropout masks, alike in both runs)
     losses = []
@@ -39,7 +40,7 @@ def _each(rank: int, world_size: int, stage: int, policies: tuple[str, ...]):
     return {recompute: _train(rank, recompute, stage) for recompute in ("none",) + policies}
 
 
-@pytest.mark.parametrize("stage, policies", [(3, ("unit", "selective")), (2, ("unit",))])
+@pytest.mark.parametrize("stage, policies", [(3, ("unit", "unit-attention", "selective")), (2, ("unit",))])
 def test_recompute_trains_as_the_resident_run_on_two_ranks(stage, policies):
     for rank, runs in enumerate(run_ranks(_each, 2, stage, policies)):
         want, expected, traffic = runs["none"]

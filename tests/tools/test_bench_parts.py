@@ -369,7 +369,7 @@ def test_activation_systems_are_in_the_table_and_a_group():
     group = systems.expand(["activations"])
     assert group == list(systems.ACTIVATION_SYSTEMS) == [
         "ddp", "fsdp2", "fsdp2-ckpt", "ds-zero3", "ds-zero3-ckpt",
-        "fxzero-stage3", "fxzero-stage3-unit", "fxzero-stage3-selective",
+        "fxzero-stage3", "fxzero-stage3-unit", "fxzero-stage3-unit-attention", "fxzero-stage3-selective",
     ]
     table = systems.SYSTEMS
     for name in group:
@@ -383,6 +383,8 @@ def test_activation_systems_are_in_the_table_and_a_group():
     assert table["ds-zero3-ckpt"].options == {"offload": None, "activation_checkpointing": True}
     assert table["fxzero-stage3-unit"].options["config"] == {"activations": {"recompute": "unit"}}
     assert table["fxzero-stage3-selective"].options["config"] == {"activations": {"recompute": "selective"}}
+    assert table["fxzero-stage3-unit-attention"].options["config"] == {
+        "activations": {"recompute": "unit", "keep_attention": True}}
 
 
 def test_make_config_maps_activations(monkeypatch):

@@ -15,7 +15,9 @@ but a peer owes us no bit-exactness).
 
 Beside the bars, what checkpointing cost each system (`COSTS`: step, peak RSS and, for fxzero,
 activation bytes against its resident run; fxzero's all-gather bytes, which recompute must not
-change), reported without a bar. Activation bytes are fxzero's `memory_report()
+change), reported without a bar, and fxzero-stage3-unit-attention (`keep_attention=True`: each
+unit keeps its attention's outputs too) against the resident run and the checkpointed peers:
+the bars are the plain unit's, which recomputes what the peers' checkpoints recompute. Activation bytes are fxzero's `memory_report()
 ["activations_peak"]` (the storages the forward kept for the backward, at most over the run),
 the most over ranks; the peers have no such counter.
 
@@ -32,6 +34,7 @@ from typing import Any, Optional
 __all__ = ["BARS", "COSTS", "activation_summary", "bar_lines"]
 
 UNIT, SELECTIVE, RESIDENT = "fxzero-stage3-unit", "fxzero-stage3-selective", "fxzero-stage3"
+UNIT_ATTENTION = "fxzero-stage3-unit-attention"
 
 BARS: tuple[tuple[str, str, str, str, float, str], ...] = (
     # key, system, reference, figure, bar, what
@@ -61,6 +64,12 @@ COSTS: tuple[tuple[str, str, str, str], ...] = (
     ("selective_all_gather_bytes_vs_resident", SELECTIVE, RESIDENT, "all_gather_bytes_per_step"),
     ("selective_peak_rss_vs_fsdp2_ckpt", SELECTIVE, "fsdp2-ckpt", "peak_rss_mb"),
     ("selective_peak_rss_vs_ds_zero3_ckpt", SELECTIVE, "ds-zero3-ckpt", "peak_rss_mb"),
+    ("unit_attention_step_vs_resident", UNIT_ATTENTION, RESIDENT, "median_step_s"),
+    ("unit_attention_step_vs_fsdp2_ckpt", UNIT_ATTENTION, "fsdp2-ckpt", "median_step_s"),
+    ("unit_attention_step_vs_ds_zero3_ckpt", UNIT_ATTENTION, "ds-zero3-ckpt", "median_step_s"),
+    ("unit_attention_peak_rss_vs_fsdp2_ckpt", UNIT_ATTENTION, "fsdp2-ckpt", "peak_rss_mb"),
+    ("unit_attention_peak_rss_vs_ds_zero3_ckpt", UNIT_ATTENTION, "ds-zero3-ckpt", "peak_rss_mb"),
+    ("unit_attention_activations_vs_resident", UNIT_ATTENTION, RESIDENT, "activations_peak_bytes"),
     ("fsdp2_ckpt_step_vs_fsdp2", "fsdp2-ckpt", "fsdp2", "median_step_s"),
     ("fsdp2_ckpt_peak_rss_vs_fsdp2", "fsdp2-ckpt", "fsdp2", "peak_rss_mb"),
     ("ds_zero3_ckpt_step_vs_ds_zero3", "ds-zero3-ckpt", "ds-zero3", "median_step_s"),

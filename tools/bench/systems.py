@@ -141,6 +141,13 @@ SYSTEMS: dict[str, System] = {
         'fxzero ZeRO-3, Activations(recompute="unit"): each unit\'s inputs kept, the rest recomputed',
         activations="unit", resident="fxzero-stage3",
     ),
+    "fxzero-stage3-unit-attention": System(
+        "fxzero_engine",
+        {"init": "state_dict", "config": {"activations": {"recompute": "unit", "keep_attention": True}}},
+        'fxzero ZeRO-3, Activations(recompute="unit", keep_attention=True): each unit\'s inputs and its '
+        "fused attention's outputs kept, the rest recomputed",
+        activations="unit-attention", resident="fxzero-stage3",
+    ),
     # Unavailable, with Activations' own message, in an fxzero without recompute="selective".
     "fxzero-stage3-selective": System(
         "fxzero_engine",
@@ -212,6 +219,7 @@ ACTIVATION_SYSTEMS: tuple[str, ...] = (
     "ds-zero3-ckpt",
     "fxzero-stage3",
     "fxzero-stage3-unit",
+    "fxzero-stage3-unit-attention",
     "fxzero-stage3-selective",
 )
 """The activation side by side (`--systems activations`, issue 23): fxzero's policies and each
