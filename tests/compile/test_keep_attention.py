@@ -129,3 +129,37 @@ def test_keep_attention_where_something_else_chooses_is_refused(kwargs, why):
         fxzero.Activations(keep_attention=True, **kwargs)
     with pytest.raises(TypeError, match="must be True or False"):
         fxzero.Activations(recompute="unit", keep_attention=1)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_a_model_that_checkpoints_itself_keeps_its_attention_in_its_regions():
+    """Hugging Face GPT-2 after gradient_checkpointing_enable(), recompute left at "none": each
+    checkpoint region keeps its attention (no attention dropout: with one, torch's CPU path is
+    the unfused math one, and there is nothing to keep), bit for bit the plain checkpointed run."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, attn_pdrop=0.0)
+
+    def run(keep: bool):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        model.gradient_checkpointing_enable()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        engine = fxzero.compile(model, fxzero.Config(cost_model=None, activations=fxzero.Activations(
+            keep_attention=keep)), state_dict=state)
+        torch.manual_seed(5)
+        losses = []
+        for step in range(2):
+            ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(step))
+            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return engine, losses
+
+    (plain, want), (kept, got) = run(False), run(True)
+    assert got == want
+    expected, state = plain.full_state_dict(), kept.full_state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert _attentions(_program(plain, "backward")) == 2 and _attentions(_program(kept, "backward")) == 0
+    records = {r.name: r for r in kept._stepping.compiled.pass_trace}
+    assert records["separate_phases"].summary["attention_kept"] == 2
