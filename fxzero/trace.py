@@ -32,6 +32,7 @@ and the sizes the schedule's figures are evaluated at.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import dataclasses
@@ -66,7 +67,7 @@ from fxzero.target_device import TargetKernels, check_no_cpu_kernels, retarget
 from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 from fxzero.ir.sizes import concrete, register_sizes
 
-__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "trace_joint"]
+__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "trace_joint", "without_regions"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
 # decomposition does the update with explicit copy_, which functionalization can see. In eval
@@ -405,6 +406,9 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
 
 
 _SCOPE = "fxzero_scope"
+_SCOPES = "fxzero_scopes"
+"""The regions a node was made in, outermost first (its `_SCOPE` is the last): a unit's forward
+may run inside the model's own checkpoint call, or hold one."""
 
 
 class _Regions:
@@ -432,7 +436,7 @@ class _Regions:
 
         meta = fx_traceback.get_current_meta()
         if self.stack:
-            meta["custom"] = {_SCOPE: self.stack[-1]}
+            meta["custom"] = {_SCOPE: self.stack[-1], _SCOPES: tuple(self.stack)}
         else:
             meta.pop("custom", None)
 
@@ -476,6 +480,24 @@ class _Regions:
             yield
 
 
+def without_regions(traced: TracedJoint, scopes: Collection[str]) -> TracedJoint:
+    """`traced` as traced without `scopes` among its recompute regions: a copy whose nodes made
+    in those regions carry the name of the region around them, if any (a model's own
+    checkpoint call), else none. A region only names the nodes its forward makes ([Note:
+    recompute regions]): the operators are the same, so one trace with every unit a region
+    serves each activation policy (`fxzero plan` compiles several of one trace)."""
+    gm = copy.deepcopy(traced.gm)
+    dropped = set(scopes)
+    for node in gm.graph.nodes:
+        if _SCOPES not in node.meta:
+            continue
+        kept = tuple(s for s in node.meta.pop(_SCOPES) if s not in dropped)
+        del node.meta[_SCOPE]
+        if kept:
+            node.meta[_SCOPE], node.meta[_SCOPES] = kept[-1], kept
+    return dataclasses.replace(traced, gm=gm)
+
+
 def _mutates(gm: fx.GraphModule) -> bool:
     """[Note: a trace with nothing to functionalize]
     The joint trace records the operators autograd and the model ran, in-place ones included
@@ -494,7 +516,7 @@ def _region_tags(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         custom = node.meta.pop("custom", None)
         if custom and _SCOPE in custom:
-            node.meta[_SCOPE] = custom[_SCOPE]
+            node.meta[_SCOPE], node.meta[_SCOPES] = custom[_SCOPE], custom[_SCOPES]
 
 
 def _check_output_sizes(outs: list, differentiable: tuple, paths: list[str], positions: list[int]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from fxzero import cost
 from fxzero.cli.common import CLIError, HARDWARE_DESCRIPTIONS, MODEL_CONFIG_HELP, reports_errors, slug
-from fxzero.plan.grid import MICRO_BATCH_CAP
+from fxzero.plan.grid import FXZERO_ONLY, MICRO_BATCH_CAP
 from fxzero.viz.fmt import human_bytes, human_count, human_seconds
 
 __all__ = ["plan_command"]
@@ -89,7 +89,7 @@ def plan_command(model, gpus, preset_name, seq, global_batch, max_micro_batch, m
     step, tokens/s per GPU, MFU and peak memory per GPU against the device's. What does not fit
     is marked and never chosen. The grid, in bf16 with AdamW: ZeRO-3 and ZeRO-2 x micro-batches
     (the divisors of global batch / GPUs, up to --max-micro-batch) x recompute none, selective,
-    unit x offload none, cpu (optimizer states and, at ZeRO-3, parameters); the gradient
+    unit-attention (unit keeping each fused attention's outputs), unit x offload none, cpu (optimizer states and, at ZeRO-3, parameters); the gradient
     accumulation makes the global batch. A model of repeated blocks is compiled at 2 and 3
     blocks (deeper where its first blocks are unlike the rest) and extrapolated to its depth;
     candidates that need more memory than one that did not fit, or more recompute or offload
@@ -169,13 +169,13 @@ def _print(model, params, gpus, preset_name, hardware, tokens, global_batch, ste
     click.echo(f"{result.compiles} programs compiled ({depth}) and simulated in {seconds:.1f} s")
     click.echo("")
     rate = "tokens/s/GPU" if tokens > 1 else "samples/s/GPU"
-    click.echo(f"{'rank':>4}  {'stage':<6}{'micro x GA':<11}{'recompute':<11}{'offload':<24}{'step':>9}"
+    click.echo(f"{'rank':>4}  {'stage':<6}{'micro x GA':<11}{'recompute':<16}{'offload':<24}{'step':>9}"
                f"{rate:>14}{'MFU':>7}{'peak/GPU':>11}  fits")
     for n, r in enumerate(result.rows, 1):
         c = r.candidate
         fits = "yes" if r.fits else f"no, {human_bytes(r.peak_bytes - memory)} over"
         click.echo(f"{n if r.fits else '-':>4}  {c.stage:<6}{f'{c.micro_batch} x {c.accumulation}':<11}"
-                   f"{c.recompute:<11}{c.offloaded:<24}{human_seconds(r.step_seconds):>9}"
+                   f"{c.recompute:<16}{c.offloaded:<24}{human_seconds(r.step_seconds):>9}"
                    f"{r.tokens_per_s_per_gpu:>14,.0f}{100 * r.mfu:>6.1f}%{human_bytes(r.peak_bytes):>11}  {fits}")
     for line in result.not_compiled:
         click.echo(f"not compiled: {line}")
@@ -188,6 +188,8 @@ def _print(model, params, gpus, preset_name, hardware, tokens, global_batch, ste
                f"{human_bytes(best.peak_bytes)} of {human_bytes(memory)} per GPU")
     click.echo(f"wrote {written[0]} (fxzero.initialize(config=...) or deepspeed) and {written[1]} (the fxzero.Config "
                "it reads as)")
-    if best.candidate.recompute == "selective":
-        click.echo("note: selective recompute is fxzero's own; DeepSpeed has no key for it, so ds_config.json says "
+    if best.candidate.recompute in FXZERO_ONLY:
+        what = {"selective": "selective recompute",
+                "unit-attention": "keeping each fused attention's outputs (keep_attention)"}[best.candidate.recompute]
+        click.echo(f"note: {what} is fxzero's own; DeepSpeed has no key for it, so ds_config.json says "
                    "activation_checkpointing (every unit recomputed): fxzero_config.py is the exact configuration")

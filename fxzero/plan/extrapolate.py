@@ -92,8 +92,12 @@ def repeated_blocks(model: nn.Module, units: UnitsPolicy = UnitsPolicy()) -> Opt
 def with_depth(model: nn.Module, fqn: str, depth: int) -> nn.Module:
     """`model` with only the first `depth` items of its module list `fqn`: the modules on the way
     to it are shallow copies (their children dicts new), everything else is shared, so the model
-    itself is unchanged and nothing is allocated."""
+    itself is unchanged and nothing is allocated. `fqn` "" is the model itself (an `nn.Sequential`
+    of blocks): its copy keeps its first `depth` items."""
     root = copy.copy(model)
+    if not fqn:
+        root._modules = dict(list(model._modules.items())[:depth])
+        return root
     root._modules = dict(model._modules)
     parent, parts = root, fqn.split(".")
     for name in parts[:-1]:

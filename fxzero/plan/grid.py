@@ -3,13 +3,14 @@
 [Note: the plan's grid]
 A candidate is a ZeRO stage, a micro-batch per GPU (with the gradient accumulation that makes
 the global batch: global = micro-batch x accumulation x GPUs), what the backward recomputes
-(`Activations(recompute="none" | "selective" | "unit")`) and where the model states wait
+(`Activations(recompute="none" | "selective" | "unit")`, and "unit-attention": unit with
+`keep_attention=True`, each unit's fused attention kept so its backward recomputes the rest) and where the model states wait
 between uses (offload "none", or "cpu": the optimizer states, with the gradients, and at
 ZeRO-3 the parameter shards too, in host memory, as DeepSpeed's offload_optimizer and
 offload_param with device "cpu"). The grid is
 
     stages {3, 2} x micro-batches {the divisors of global / GPUs, up to --max-micro-batch (8)}
-    x recompute {none, selective, unit} x offload {none, cpu}
+    x recompute {none, selective, unit-attention, unit} x offload {none, cpu}
 
 in bf16 mixed precision with AdamW (fp32 masters and states, gradients reduced in bf16: what a
 DeepSpeed config with "bf16" enabled trains). Left out, and why:
@@ -24,9 +25,9 @@ DeepSpeed config with "bf16" enabled trains). Left out, and why:
 
 Every candidate is first a DeepSpeed config (`Candidate.deepspeed`); its `Config` is what
 `Config.from_deepspeed` reads from that, so the ds_config.json the plan writes gives the
-configuration it priced. Selective recompute is fxzero's own and DeepSpeed has no key for it:
-its ds_config says "activation_checkpointing" (every unit recomputed, the nearest), and the
-`Config` (`python_snippet`) is the exact one.
+configuration it priced. Selective recompute and keeping attention are fxzero's own and DeepSpeed
+has no key for them: their ds_config says "activation_checkpointing" (every unit recomputed, the
+nearest), and the `Config` (`python_snippet`) is the exact one (`FXZERO_ONLY`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,25 @@ from typing import Any, Literal, Optional
 from fxzero.config import Activations, Config
 from fxzero.config.deepspeed import read_deepspeed
 
-__all__ = ["MICRO_BATCH_CAP", "OFFLOADS", "RECOMPUTES", "STAGES", "Candidate", "micro_batches", "python_snippet"]
+__all__ = ["ACTIVATIONS", "FXZERO_ONLY", "MICRO_BATCH_CAP", "OFFLOADS", "RECOMPUTES", "STAGES", "Candidate",
+           "micro_batches", "python_snippet"]
 
 STAGES = (3, 2)
 """The ZeRO stages planned ([Note: the plan's grid]: why not 1)."""
-RECOMPUTES = ("none", "selective", "unit")
-"""`Activations.recompute`, from the least memory saved (and compute added) to the most."""
+RECOMPUTES = ("none", "selective", "unit-attention", "unit")
+"""What the backward recomputes (`ACTIVATIONS`), from the least memory saved (and compute added)
+to the most: selective keeps the matmuls' and attentions' outputs, unit-attention only the
+attentions' (and each unit's inputs), unit only each unit's inputs."""
+ACTIVATIONS = {
+    "none": Activations(),
+    "selective": Activations(recompute="selective"),
+    "unit-attention": Activations(recompute="unit", keep_attention=True),
+    "unit": Activations(recompute="unit"),
+}
+"""Each of `RECOMPUTES` as the policy a candidate compiles with (the names of `fxzero estimate
+--activations`)."""
+FXZERO_ONLY = frozenset({"selective", "unit-attention"})
+"""The recomputes no DeepSpeed key says: their ds_config says "activation_checkpointing"."""
 OFFLOADS = ("none", "cpu")
 """Where the model states wait: all on the device, or the optimizer's (and ZeRO-3's parameter
 shards) in host memory."""
@@ -82,7 +96,7 @@ class Candidate:
     """Samples per GPU per forward."""
     accumulation: int
     """Micro-steps per optimizer step."""
-    recompute: Literal["none", "selective", "unit"]
+    recompute: Literal["none", "selective", "unit-attention", "unit"]
     offload: Literal["none", "cpu"]
 
     def __post_init__(self) -> None:
@@ -123,10 +137,11 @@ class Candidate:
 
     def config(self, gpus: int) -> Config:
         """The `Config` `Config.from_deepspeed(self.deepspeed(gpus))` builds (without its printed
-        notes), with selective recompute where this candidate has it."""
+        notes), with this candidate's own recompute where DeepSpeed has no key for it
+        (`FXZERO_ONLY`)."""
         config = Config(**read_deepspeed(self.deepspeed(gpus)).fields)
-        if self.recompute == "selective":
-            config = dataclasses.replace(config, activations=Activations(recompute="selective"))
+        if self.recompute in FXZERO_ONLY:
+            config = dataclasses.replace(config, activations=ACTIVATIONS[self.recompute])
         return config
 
 

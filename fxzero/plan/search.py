@@ -6,9 +6,10 @@ pricing by depth]), or from deeper where its first blocks are unlike the rest (`
 That is checked once per stage and offload, on the first candidate of the pair compiled: what
 makes the first blocks differ is which units the backward keeps from the forward, gathered or as
 fetched shards, which the stage and the offload decide (on Llama 3 8B's shape, recompute none,
-unit and selective found the same base); the trace of a depth and micro-batch is made once and shared by the stages
-and offloads (they do not enter the trace; `compiler.trace_for`). Not every candidate of the
-grid is compiled:
+unit and selective found the same base). The trace of a depth and micro-batch is made once, with
+every unit a recompute region, and shared by the stages, offloads and recomputes: they do not
+enter the trace but for the regions' names, which a copy drops where the candidate recomputes
+nothing (`trace.without_regions`). Not every candidate of the grid is compiled:
 - a stage and offload whose model states alone (the parameters and optimizer states it keeps
   on the device, from the full model's unit layouts) exceed the device's memory is ruled out
   without compiling;
@@ -19,6 +20,8 @@ grid is compiled:
   the same program, so neither makes the step faster; they only buy memory. (Priced from 2 and 3
   blocks, an offloaded Llama 3 8B looked faster per block than the same on the device; priced
   from where its blocks are alike, it is slower, as it should be.)
+- "unit-attention" is not compiled where the model computes no fused attention (its program is
+  unit's: `Activations(keep_attention=True)` has nothing to keep there).
 What was not compiled, and why, is listed with the table.
 
 A step is `accumulation` micro-steps (forward and backward: every micro-step gathers and
@@ -37,8 +40,10 @@ from torch import nn
 
 from fxzero import cost, estimate
 from fxzero.compiler import compile_program, plan_layouts, recompute_scopes, trace_for
+from fxzero.ir.sizes import is_fused_attention
 from fxzero.plan.extrapolate import BASE_DEPTHS, Priced, extrapolate, price, repeated_blocks, steady_depth, with_depth
-from fxzero.plan.grid import MICRO_BATCH_CAP, OFFLOADS, RECOMPUTES, STAGES, Candidate, micro_batches
+from fxzero.plan.grid import ACTIVATIONS, MICRO_BATCH_CAP, OFFLOADS, RECOMPUTES, STAGES, Candidate, micro_batches
+from fxzero.trace import TracedJoint, without_regions
 from fxzero.units import persistent_units
 
 __all__ = ["Plan", "Row", "plan", "rank"]
@@ -127,21 +132,40 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
     blocks = repeated_blocks(model)
     depth = blocks[1] if blocks is not None and blocks[1] > max(BASE_DEPTHS) else None
     peak_flops = hardware.rates.peak_flops[hardware.rates.default_dtype] if hardware.rates else hardware.flops_per_s
-    traces: dict[tuple, object] = {}
+    traces: dict[tuple, TracedJoint] = {}  # (blocks, micro-batch) -> the trace with every unit a recompute region
     compiles = 0
+
+    def traced(shallow: nn.Module, n_blocks: Optional[int], mb: int, config) -> TracedJoint:
+        """The trace `config` compiles: made once per depth and micro-batch with every unit a
+        recompute region, and without them where `config` recomputes none (`without_regions`)."""
+        regions = dataclasses.replace(config, activations=ACTIVATIONS["unit"])
+        scopes = recompute_scopes(shallow, regions)
+        if (n_blocks, mb) not in traces:
+            args, kwargs = call(mb)
+            traces[n_blocks, mb] = trace_for(shallow, args, regions, layouts=plan_layouts(shallow, regions, gpus),
+                                             kwargs=kwargs, device=device)
+        trace = traces[n_blocks, mb]
+        return trace if recompute_scopes(shallow, config) == scopes else without_regions(trace, scopes)
 
     def compiled_at(candidate: Candidate, config, n_blocks: Optional[int]) -> Priced:
         nonlocal compiles
         shallow = model if n_blocks is None else with_depth(model, blocks[0], n_blocks)
         args, kwargs = call(candidate.micro_batch)
         layouts = plan_layouts(shallow, config, gpus)
-        key = (n_blocks, candidate.micro_batch, recompute_scopes(shallow, config))
-        if key not in traces:
-            traces[key] = trace_for(shallow, args, config, layouts=layouts, kwargs=kwargs, device=device)
         compiled = compile_program(shallow, args, config, world_size=gpus, layouts=layouts, kwargs=kwargs,
-                                   device=device, traced=traces[key])
+                                   device=device, traced=traced(shallow, n_blocks, candidate.micro_batch, config))
         compiles += 1
         return price(compiled, config, hardware)
+
+    def computes_fused_attention() -> bool:
+        """Whether the model's program has a fused attention for "unit-attention" to keep (read
+        from a trace already made, or one of 2 blocks made for it)."""
+        if not traces:
+            n_blocks = None if depth is None else min(BASE_DEPTHS)
+            shallow = model if depth is None else with_depth(model, blocks[0], n_blocks)
+            traced(shallow, n_blocks, sizes[0], Candidate(stage=STAGES[0], micro_batch=sizes[0], accumulation=1,
+                                                          recompute="unit", offload="none").config(gpus))
+        return any(is_fused_attention(n) for n in next(iter(traces.values())).gm.graph.nodes)
 
     bases: dict[tuple, int] = {}  # (stage, offload) -> the depth its blocks are alike from
 
@@ -178,6 +202,7 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
     rows: list[Row] = []
     failed: list[tuple[int, int, str, str]] = []  # (stage, micro-batch, recompute, offload) over memory
     implied = dominated = 0
+    attends: Optional[bool] = None  # (computes_fused_attention, asked once: where unit-attention is unit)
     for stage in STAGES:
         for mb in sizes:
             fitting: list[tuple[int, int]] = []  # (recompute, offload) indices that fit at this stage and mb
@@ -188,6 +213,11 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
                     if any(fr <= r and fo <= o for fr, fo in fitting):
                         dominated += 1
                         continue
+                    if recompute == "unit-attention":
+                        if attends is None:
+                            attends = computes_fused_attention()
+                        if not attends:
+                            continue
                     if any(s >= stage and b <= mb and (fr, fo) == (recompute, offload) for s, b, fr, fo in failed):
                         implied += 1
                         continue
@@ -201,6 +231,9 @@ def plan(model: nn.Module, call: Callable[[int], tuple], *, gpus: int, global_ba
     if implied:
         not_compiled.append(f"{implied} that need more memory than one that did not fit (a larger micro-batch, "
                             "or ZeRO-2 where ZeRO-3 did not fit, with the same recompute and offload)")
+    if attends is False:
+        not_compiled.append("unit-attention (unit recompute keeping each fused attention's outputs): the model "
+                            "computes no fused attention (scaled_dot_product_attention), so it is unit")
     if dominated:
         not_compiled.append(f"{dominated} with more recompute or offload than one that fits at the same stage and "
                             "micro-batch (they add compute or transfers to the same step)")

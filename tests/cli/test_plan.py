@@ -18,7 +18,7 @@ from fxzero.config import Activations, Config
 from fxzero.modelspec import build_model
 from fxzero.plan import Candidate, NextTokenLoss, Priced, extrapolate, plan, price, python_snippet
 from fxzero.plan.extrapolate import repeated_blocks, steady_depth, with_depth
-from fxzero.plan.grid import OFFLOADS, RECOMPUTES, STAGES
+from fxzero.plan.grid import ACTIVATIONS, FXZERO_ONLY, OFFLOADS, RECOMPUTES, STAGES
 from tests.cli.conftest import invoke
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,10 +66,10 @@ def test_the_ranking_follows_full_compiles_priced_on_a_hand_made_cluster(ranked)
     model, result = ranked
     keys = [(r.candidate.stage, r.candidate.micro_batch) for r in result.rows]
     # Everything fits in 1 TiB: no recompute and no offload at each stage and micro-batch (more of
-    # either only adds compute or transfers), the other 5 of each not compiled.
+    # either only adds compute or transfers), the other 7 of each not compiled.
     assert all(r.fits and (r.candidate.recompute, r.candidate.offload) == ("none", "none") for r in result.rows)
     assert sorted(keys) == sorted((s, b) for s in STAGES for b in (1, 2))
-    assert any(line.startswith("20 with more recompute or offload") for line in result.not_compiled)
+    assert any(line.startswith("28 with more recompute or offload") for line in result.not_compiled)
     full = [_full_step(model, r.candidate) for r in result.rows]
     for row, step in zip(result.rows, full):
         assert row.step_seconds == pytest.approx(step, rel=1e-9)
@@ -101,6 +101,48 @@ def test_what_does_not_fit_is_marked_and_never_chosen(ranked):
     # The same stage, micro-batch and offload with recompute were compiled, since "none" did not fit.
     same = [c for c in rows if (c.stage, c.offload) == (fastest.candidate.stage, fastest.candidate.offload)]
     assert {c.recompute for c in same} > {"none"}
+
+
+def test_keeping_attention_is_chosen_where_it_fits_and_selective_does_not():
+    # Priced on an H100 at 8192 tokens a sample (8 heads of 64: each attention's output is 8 MiB a
+    # sample in bf16), keeping each block's attention holds more than unit and less than selective,
+    # and recomputes less than unit: with the device's memory at exactly its peak, it is the best.
+    model = NextTokenLoss(build_model("llama-small(n_blocks=4, seq_len=8192)"))
+
+    def call(micro_batch):
+        idx = torch.zeros(micro_batch, 8192, dtype=torch.long)
+        return (idx, idx), {}
+
+    hardware = cost.preset("h100-80gb")
+    full = {}
+    for recompute in RECOMPUTES:
+        candidate = Candidate(stage=3, micro_batch=1, accumulation=1, recompute=recompute, offload="none")
+        config = candidate.config(GPUS)
+        full[recompute] = price(compile_program(model, call(1)[0], config, world_size=GPUS, device="cuda"), config,
+                                hardware.at_world(GPUS))
+    peaks = [full[r].peak_bytes for r in RECOMPUTES]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert full["unit-attention"].micro_seconds < full["unit"].micro_seconds
+    tight = dataclasses.replace(hardware, device_memory_bytes=int(full["unit-attention"].peak_bytes))
+    result = plan(model, call, gpus=GPUS, global_batch=GPUS, hardware=tight, tokens_per_sample=8192)
+    rows = {r.candidate.recompute: r for r in result.rows if (r.candidate.stage, r.candidate.offload) == (3, "none")}
+    assert result.best.candidate == Candidate(stage=3, micro_batch=1, accumulation=1, recompute="unit-attention",
+                                              offload="none")
+    assert result.best.peak_bytes == full["unit-attention"].peak_bytes  # (extrapolated from 2 and 3 blocks)
+    assert not rows["none"].fits and not rows["selective"].fits and "unit" not in rows  # (unit-attention fits)
+    assert result.best.candidate.config(GPUS).activations == Activations(recompute="unit", keep_attention=True)
+
+
+def test_a_model_without_fused_attention_is_not_planned_to_keep_it():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                      for _ in range(4)))
+    result = plan(model, lambda b: ((torch.zeros(b, 256),), {}), gpus=GPUS, global_batch=GPUS,
+                  hardware=dataclasses.replace(HAND, device_memory_bytes=1))  # (nothing fits: every one compiled)
+    assert result.depth == 4  # (the model itself is the list of blocks: priced from 2 and 3 of them)
+    assert {r.candidate.recompute for r in result.rows} == {"none", "selective", "unit"}
+    assert any(line.startswith("unit-attention (unit recompute keeping each fused attention's outputs): the model "
+                               "computes no fused attention") for line in result.not_compiled)
 
 
 @pytest.mark.parametrize("recompute, offload", [("unit", "none"), ("selective", "cpu")])  # (none: the ranking test)
@@ -160,9 +202,9 @@ def test_each_candidate_reads_back_from_its_ds_config():
                 c = Candidate(stage=stage, micro_batch=2, accumulation=4, recompute=recompute, offload=offload)
                 config = c.config(8)
                 read = Config.from_deepspeed(json.loads(json.dumps(c.deepspeed(8))))
-                if recompute == "selective":  # (no DeepSpeed key: the nearest, and the Config exact)
+                if recompute in FXZERO_ONLY:  # (no DeepSpeed key: the nearest, and the Config exact)
                     assert read.activations == Activations(recompute="unit")
-                    read = dataclasses.replace(read, activations=Activations(recompute="selective"))
+                    read = dataclasses.replace(read, activations=ACTIVATIONS[recompute])
                 assert read == config
                 assert read.train_batch_size == 64 and read.stage == stage
                 namespace: dict = {}
@@ -186,8 +228,8 @@ def test_the_written_ds_config_is_the_printed_config(runner, tmp_path):
     assert code == best["fxzero_config"]
     exec(code, namespace)
     read = Config.from_deepspeed(ds)
-    if best["recompute"] == "selective":
-        read = dataclasses.replace(read, activations=Activations(recompute="selective"))
+    if best["recompute"] in FXZERO_ONLY:
+        read = dataclasses.replace(read, activations=ACTIVATIONS[best["recompute"]])
     assert namespace["config"] == read
     assert printed["rows"][0]["fits"] and printed["rows"][0]["stage"] == best["stage"]
     assert best["peak_bytes"] <= printed["device_memory_bytes"]

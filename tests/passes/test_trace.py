@@ -234,3 +234,48 @@ def test_the_joint_graph_mutates_nothing(name):
                 and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
     assert mutating == []
     assert any(n.op == "call_function" for n in tr.gm.graph.nodes)
+
+
+class _OwnCheckpoint(nn.Module):
+    """Two blocks of dropout MLPs, the second calling torch.utils.checkpoint itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        x = x + self.blocks[0](x)
+        return x + torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("model, spec", [("own checkpoint", None), ("gpt-tiny", "gpt-tiny")])
+def test_a_trace_without_its_unit_regions_compiles_as_one_traced_without_them(model, spec):
+    # `fxzero plan` traces once with every unit a recompute region and compiles the candidates that
+    # recompute nothing from a copy without those regions: the same program as a trace of its own.
+    import dataclasses
+
+    from fxzero.compiler import compile_program, plan_layouts, recompute_scopes, trace_for
+    from fxzero.config import Activations, Config
+    from fxzero.modelspec import build_model
+    from fxzero.trace import without_regions
+
+    torch.manual_seed(0)
+    net = build_model(spec) if spec else _OwnCheckpoint()
+    x = torch.zeros(2, 32, dtype=torch.long) if spec else torch.randn(4, 16)
+    config = Config(units=fxzero.UnitsPolicy(module_classes=(nn.Sequential,))) if not spec else Config()
+    unit = dataclasses.replace(config, activations=Activations(recompute="unit"))
+    scopes = recompute_scopes(net, unit)
+    assert scopes
+    regions = trace_for(net, (x,), unit, layouts=plan_layouts(net, unit, 2))
+    assert set(scopes) == {n.meta.get("fxzero_scope") for n in regions.gm.graph.nodes} - {None}
+    without = without_regions(regions, scopes)
+    # The model's own checkpoint call holds the unit blocks.1: without the unit regions its nodes
+    # are the checkpoint's region, which the backward recomputes under any policy.
+    own = {n.meta.get("fxzero_scope") for n in without.gm.graph.nodes} - {None}
+    assert own == ({"checkpoint:1"} if spec is None else set())
+    shared = compile_program(net, (x,), config, world_size=2, traced=without)
+    fresh = compile_program(net, (x,), config, world_size=2)
+    assert shared.joint.code == fresh.joint.code
+    assert [(i.kind, i.unit) for i in shared.schedule.program("backward").instructions] == \
+        [(i.kind, i.unit) for i in fresh.schedule.program("backward").instructions]
