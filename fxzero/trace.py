@@ -67,7 +67,8 @@ from fxzero.target_device import TargetKernels, check_no_cpu_kernels, retarget
 from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 from fxzero.ir.sizes import concrete, register_sizes
 
-__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "trace_joint", "without_regions"]
+__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "UntraceableDtype", "trace_joint",
+           "without_regions"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
 # decomposition does the update with explicit copy_, which functionalization can see. In eval
@@ -162,8 +163,47 @@ class DataDependentShape(ValueError):
         return self
 
 
+class UntraceableDtype(ValueError):
+    """An operator whose tracing rule takes fewer dtypes than the kernel a run of the model uses:
+    torch's grouped matmul, whose rule is CUDA's kernel's (bfloat16 only) on every device, where
+    the CPU kernel also computes float32 (Hugging Face's mixtures of experts call it by default).
+    (The engine says which rank.)"""
+
+    def __init__(self, where: str, dtype: torch.dtype) -> None:
+        name = str(dtype).removeprefix("torch.")
+        super().__init__(
+            f"the forward calls torch's grouped matmul (torch._grouped_mm, F.grouped_mm) in {name} at {where}: its "
+            f"tracing rule takes bfloat16 only (CUDA's kernel's rule, which torch applies on every device), so fxzero "
+            f"cannot trace it in {name}, though torch's CPU kernel computes it. Train in bfloat16 "
+            "(fxzero.Config(mixed_precision=fxzero.MixedPrecision()), or DeepSpeed's \"bf16\": {\"enabled\": true}); "
+            "or, for a Hugging Face mixture of experts (Mixtral, Qwen MoE, OLMoE), call "
+            "model.set_experts_implementation(\"batched_mm\") before compiling: the same arithmetic as batched "
+            "matmuls, in any dtype")
+        self.where, self.dtype = where, dtype
+
+    def with_rank(self, rank: int) -> "UntraceableDtype":
+        self.args = (f"[rank {rank}] {self.args[0]}",)
+        return self
+
+
+def _grouped_mm_dtype(e: RuntimeError) -> Optional[torch.dtype]:
+    """The dtype torch's grouped matmul was refused in, where `e` is that refusal (its meta
+    kernel's check); else None."""
+    tb, refused = e.__traceback__, False
+    while tb is not None:
+        refused = refused or tb.tb_frame.f_code.co_name == "_meta_grouped_mm_common"
+        tb = tb.tb_next
+    message = str(e)
+    if not (refused and message.startswith("Expected inputs of BF16 type")):
+        return None
+    name = message.rsplit("mat_a.dtype=", 1)[-1].split(" ", 1)[0]
+    return getattr(torch, name.removeprefix("torch."), None) or torch.float32
+
+
 @contextlib.contextmanager
 def _explains_data_dependence(shape_env: Optional[ShapeEnv] = None):
+    """Trace errors said in the model's terms: data-dependent sizes and values, and an operator
+    refused in its dtype (`UntraceableDtype`)."""
     try:
         yield
     except DynamicOutputShapeException as e:
@@ -179,6 +219,11 @@ def _explains_data_dependence(shape_env: Optional[ShapeEnv] = None):
         raise DataDependentControlFlow(where) from e
     except DataDependentOutputException as e:
         raise DataDependentControlFlow(_users_line(e.__traceback__)) from e
+    except RuntimeError as e:
+        dtype = _grouped_mm_dtype(e)
+        if dtype is None:
+            raise
+        raise UntraceableDtype(_users_line(e.__traceback__), dtype) from e
 
 
 def _users_line(tb) -> str:

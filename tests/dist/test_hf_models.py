@@ -1,10 +1,10 @@
 """Hugging Face models called the HF way, on 2 ranks at ZeRO-3: `input_ids=`, `attention_mask=`
-with padding and `labels=` with -100 at the padded positions (`pixel_values=`, `labels=` for
-ResNet), trained through `out.loss`, against eager AdamW doing what DDP does (each step the mean
+with padding and `labels=` with -100 at the padded positions (GPT-2, Llama, Mixtral's mixture of
+experts, BERT; `pixel_values=`, `labels=` for ResNet), trained through `out.loss`, against eager AdamW doing what DDP does (each step the mean
 of the ranks' micro-batch losses; for ResNet that also keeps BatchNorm's statistics per rank);
 then an evaluation under no_grad (a forward-only program) against eager evaluation of the same
 parameters. Small configs, random init, no downloads; units found automatically (the decoder or
-encoder layer lists, ResNet's stages). GPT-2 and Llama return a KV cache by default (use_cache
+encoder layer lists, ResNet's stages). GPT-2, Llama and Mixtral return a KV cache by default (use_cache
 is left on): it is dropped with one warning naming it, and the training is the eager one.
 
 [Note: evaluation is exact on one thread count]
@@ -42,6 +42,12 @@ def _build(name: str):
     if name == "llama":
         return t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=256))
+    if name == "mixtral":  # (a mixture of experts; its batched experts: see tests/passes/test_hf_moe.py)
+        model = t.MixtralForCausalLM(t.MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                                     num_attention_heads=2, num_key_value_heads=2, vocab_size=256,
+                                                     num_local_experts=4, num_experts_per_tok=2))
+        model.set_experts_implementation("batched_mm")
+        return model
     if name == "bert":
         return t.BertForMaskedLM(t.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                               num_attention_heads=2, vocab_size=256, hidden_dropout_prob=0,
@@ -50,7 +56,7 @@ def _build(name: str):
                                                          num_labels=10))
 
 
-MODELS = ("gpt2", "llama", "bert", "resnet")
+MODELS = ("gpt2", "llama", "mixtral", "bert", "resnet")
 
 
 def _batches(name: str, seed: int, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -152,7 +158,8 @@ def ranks():
 def test_trains_like_eager_when_called_the_hf_way(ranks, name):
     assert_losses_close(ranks[0][name]["losses"], _eager_losses(name, 2), f"{name} on 2 ranks, stage 3")
     units = ranks[0][name]["units"]
-    layer = {"gpt2": "transformer.h.1", "llama": "model.layers.1", "bert": "bert.encoder.layer.1",
+    layer = {"gpt2": "transformer.h.1", "llama": "model.layers.1", "mixtral": "model.layers.1",
+             "bert": "bert.encoder.layer.1",
              "resnet": "resnet.encoder.stages.1"}[name]
     assert layer in units, units
 
@@ -176,7 +183,7 @@ def test_evaluation_under_no_grad_is_eager_evaluation(ranks, name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_kv_cache_in_the_outputs_is_dropped_with_one_warning_naming_it(ranks, name):
-    """GPT-2 and Llama return a KV cache (use_cache defaults to on): one warning per model on each
+    """GPT-2, Llama and Mixtral return a KV cache (use_cache defaults to on): one warning per model on each
     rank, over the training program and the evaluation program both, naming the output as the
     eager model returns it (its field and type) and the way to not build it; the engine returns
     None in its place, every other field as eager has it. BERT and ResNet return no cache and
@@ -187,7 +194,7 @@ def test_a_kv_cache_in_the_outputs_is_dropped_with_one_warning_naming_it(ranks, 
         warnings.simplefilter("ignore")
         eager = _build(name).train()(**_rows(_batches(name, 1, 1)[0], 0, 2))
     cached = [f.name for f in dataclasses.fields(eager) if isinstance(getattr(eager, f.name), transformers.Cache)]
-    assert len(cached) == (1 if name in ("gpt2", "llama") else 0), cached
+    assert len(cached) == (1 if name in ("gpt2", "llama", "mixtral") else 0), cached
     want = tuple((f.name, "NoneType" if f.name in cached else type(getattr(eager, f.name)).__name__)
                  for f in dataclasses.fields(eager))
     for rank in ranks:
