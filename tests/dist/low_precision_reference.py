@@ -1,7 +1,9 @@
 """Eager references for bfloat16 masters (`MixedPrecision(master_dtype=torch.bfloat16)`), written
 independently of the engine.
 
-The model is a bfloat16 eager model whose parameters are the masters: each rank's micro-batch is
+The model is an eager model whose parameters, cast to bfloat16, are the masters (its buffers
+keep their dtype, as fxzero's mixed precision and FSDP2's leave them: a Llama's rotary
+frequencies stay float32): each rank's micro-batch is
 run through it, each parameter's bfloat16 gradient is summed over the ranks and divided by their
 number in bfloat16 (gradients reduced in the compute dtype, `reduce_dtype=None`), micro-steps of
 an accumulation add those averages in bfloat16, and then:
@@ -52,7 +54,9 @@ def eager_bf16_masters(model_fn: Callable[[], nn.Module], state: dict[str, torch
 def _train(model_fn, state, batches, world, optimizer_dtype, accumulation):
     model = model_fn()
     model.load_state_dict(state)
-    model = model.to(torch.bfloat16).train()
+    model.train()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
     params = dict(model.named_parameters())  # (tied parameters once, under their first name)
     if optimizer_dtype == torch.bfloat16:
         stepped = params
