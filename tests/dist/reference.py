@@ -29,6 +29,8 @@ __all__ = [
     "default_unit_numels",
     "eager_cnn_reference",
     "eager_gpt_reference",
+    "eager_hf_losses",
+    "hf_rows",
     "lm_loss",
     "make_cnn_batches",
     "make_gpt_batches",
@@ -174,6 +176,28 @@ def rank_slice(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
         )
     local = t.shape[0] // world_size
     return t[rank * local : (rank + 1) * local].contiguous()
+
+
+def hf_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank's rows of every tensor of a keyword batch (`rank_slice`)."""
+    return {k: rank_slice(v, rank, world_size) for k, v in batch.items()}
+
+
+def eager_hf_losses(model: nn.Module, batches: Sequence[dict[str, torch.Tensor]], world_size: int,
+                    adamw: dict[str, Any]) -> list[float]:
+    """Eager `torch.optim.AdamW(**adamw)` doing what DDP does to a model called the Hugging Face
+    way (keyword batches, `labels=` in them): each step the mean over the ranks of the loss of
+    their rows (`hf_rows`). The model trains in place; its per-step losses are returned."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    losses = []
+    for batch in batches:
+        loss = sum(model(**hf_rows(batch, r, world_size)).loss for r in range(world_size)) / world_size
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def clone_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 
 import fxzero
 from tests.dist.harness import ADAMW, run_ranks
-from tests.dist.reference import assert_losses_close
+from tests.dist.reference import assert_losses_close, eager_hf_losses, hf_rows
 
 pytestmark = pytest.mark.timeout(400)
 transformers = pytest.importorskip("transformers")
@@ -58,11 +58,6 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _rows(batch: dict, rank: int, world: int) -> dict:
-    n = ROWS // world
-    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
-
-
 def _train(rank: int, world_size: int) -> dict:
     warnings.simplefilter("ignore")  # (the KV caches dropped: tests/dist/test_hf_models.py counts that warning)
     out = {}
@@ -71,7 +66,7 @@ def _train(rank: int, world_size: int) -> dict:
         engine = fxzero.compile(_build(name), fxzero.Config(optimizer=fxzero.AdamW(**ADAMW), cost_model=None))
         losses = []
         for batch in _batches():
-            result = engine(**_rows(batch, rank, world_size))
+            result = engine(**hf_rows(batch, rank, world_size))
             engine.backward(result.loss)
             engine.step()
             losses.append(result.loss.detach().reshape(1))
@@ -83,16 +78,7 @@ def _train(rank: int, world_size: int) -> dict:
 
 def _eager_losses(name: str, window: int | None = WINDOW) -> list[float]:
     torch.manual_seed(0)
-    model = _build(name, window).train()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for batch in _batches():
-        loss = sum(model(**_rows(batch, r, 2)).loss for r in range(2)) / 2
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return eager_hf_losses(_build(name, window), _batches(), 2, ADAMW)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import torch
 
 import fxzero
 from tests.dist.harness import ADAMW, run_ranks
-from tests.dist.reference import assert_losses_close
+from tests.dist.reference import assert_losses_close, eager_hf_losses, hf_rows
 
 pytestmark = pytest.mark.timeout(400)
 transformers = pytest.importorskip("transformers")
@@ -83,11 +83,6 @@ def _batches(name: str, seed: int, steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _rows(batch: dict, rank: int, world: int) -> dict:
-    n = ROWS // world
-    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
-
-
 DROPPED = "which a training step cannot use"
 """What fxzero's warning about a dropped output says (`fxzero/trace.py`)."""
 
@@ -104,7 +99,7 @@ def _train(rank: int, world_size: int):
                                                                 cost_model=None))
             losses, fields = [], set()
             for batch in _batches(name, 1, STEPS):
-                result = engine(**_rows(batch, rank, world_size))
+                result = engine(**hf_rows(batch, rank, world_size))
                 fields.add(tuple((f.name, type(getattr(result, f.name)).__name__) for f in dataclasses.fields(result)))
                 engine.backward(result.loss)
                 engine.step()
@@ -112,7 +107,7 @@ def _train(rank: int, world_size: int):
             stacked = torch.stack(losses)
             torch.distributed.all_reduce(stacked)
             engine.eval()
-            evaluation = _rows(_batches(name, 2, 1)[0], rank, world_size)
+            evaluation = hf_rows(_batches(name, 2, 1)[0], rank, world_size)
             with torch.no_grad():
                 logits = engine(**evaluation).logits
         kinds = {ins.kind for p in ("forward", "backward") for ins in engine.schedule.program(p).instructions}
@@ -137,16 +132,7 @@ def _threads(n: int):
 
 def _eager_losses(name: str, world: int) -> list[float]:
     torch.manual_seed(0)
-    model = _build(name).train()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for batch in _batches(name, 1, STEPS):
-        loss = sum(model(**_rows(batch, r, world)).loss for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return eager_hf_losses(_build(name), _batches(name, 1, STEPS), world, ADAMW)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +163,7 @@ def test_evaluation_under_no_grad_is_eager_evaluation(ranks, name):
         model.load_state_dict(r["state"])
         model.eval()
         with torch.no_grad(), _threads(r["threads"]):
-            want = model(**_rows(_batches(name, 2, 1)[0], rank, 2)).logits
+            want = model(**hf_rows(_batches(name, 2, 1)[0], rank, 2)).logits
         assert torch.equal(r["logits"], want), (name, rank, r["threads"], (r["logits"] - want).abs().max())
 
 
@@ -192,7 +178,7 @@ def test_a_kv_cache_in_the_outputs_is_dropped_with_one_warning_naming_it(ranks, 
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eager = _build(name).train()(**_rows(_batches(name, 1, 1)[0], 0, 2))
+        eager = _build(name).train()(**hf_rows(_batches(name, 1, 1)[0], 0, 2))
     cached = [f.name for f in dataclasses.fields(eager) if isinstance(getattr(eager, f.name), transformers.Cache)]
     assert len(cached) == (1 if name in ("gpt2", "llama", "mixtral") else 0), cached
     want = tuple((f.name, "NoneType" if f.name in cached else type(getattr(eager, f.name)).__name__)
