@@ -94,13 +94,28 @@ def _cpu_attention_backward(grad_out, query, key, value, *args, **kwargs) -> int
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
+def _grouped_mm(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """torch's grouped matmul (`torch._grouped_mm`, `F.grouped_mm`: a mixture of experts' expert
+    projections and their backward), each output element a dot product of the contracted length.
+    Both operands 2-D: the groups split the contracted dimension (a weight gradient, out (G, M, N)),
+    2 x M x S x N in all; otherwise the contracted length is mat_a's last, shared by every
+    group, and 2 x the output's elements x it (rows past the last offset are counted too: an
+    upper bound, as the kernel's launch is)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
 _MORE_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+    **({torch.ops.aten._grouped_mm: _grouped_mm} if hasattr(torch.ops.aten, "_grouped_mm") else {}),
 }
-"""Attention on CPU tensors, which torch's registry lacks (its CUDA kernels it has): torch's own
-SDPA formulas, so a CPU program's attention is priced as the same shapes' GPU one (issue 26: it
-was priced at 0 FLOPs, and long sequences were predicted far too fast)."""
+"""Operators torch's FLOP registry lacks. Attention on CPU tensors (its CUDA kernels it has):
+torch's own SDPA formulas, so a CPU program's attention is priced as the same shapes' GPU one
+(issue 26: it was priced at 0 FLOPs, and long sequences were predicted far too fast). The
+grouped matmul of a mixture of experts (Hugging Face's default experts in bfloat16): priced at 0
+FLOPs before, so a Mixtral's experts cost the simulator nothing."""
 
 
 _FUSED_ATTENTION = frozenset(getattr(torch.ops.aten, name) for name in (

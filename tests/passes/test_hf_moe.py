@@ -51,3 +51,18 @@ def test_in_bfloat16_it_compiles_with_the_grouped_matmul_and_batched_in_float32(
     batched = compile_program(_mixtral("batched_mm"), (), fxzero.Config(), world_size=2,
                               kwargs={"input_ids": IDS, "labels": IDS})
     assert _grouped_mm_calls(batched) == 0
+
+
+def test_the_grouped_experts_are_priced_at_their_flops():
+    # torch's FLOP registry has no formula for the grouped matmul, so a Mixtral's experts cost the
+    # simulator nothing. Counted from the shapes here: each of the 2 x 16 tokens goes to 2 experts,
+    # whose projections are 64 -> 2 x 96 and 96 -> 64; the backward does twice the forward's.
+    tokens, k, h, i, layers = 2 * 16, 2, 64, 96, 2
+    forward = layers * tokens * k * (2 * h * 2 * i + 2 * i * h)
+    compiled = compile_program(_mixtral(), (), fxzero.Config(mixed_precision=fxzero.MixedPrecision()), world_size=2,
+                               device="cuda", kwargs={"input_ids": IDS, "labels": IDS})
+    experts = {p.name: sum(ins.flops for ins in p.instructions if ins.name.startswith("_grouped_mm"))
+               for p in compiled.schedule.programs}
+    assert experts == {"forward": forward, "backward": 2 * forward, "step": 0}
+    assert all(ins.flops > 0 for p in compiled.schedule.programs for ins in p.instructions
+               if ins.name.startswith("_grouped_mm"))
