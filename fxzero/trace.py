@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import warnings
 
 import dataclasses
@@ -200,10 +201,21 @@ def _grouped_mm_dtype(e: RuntimeError) -> Optional[torch.dtype]:
     return getattr(torch, name.removeprefix("torch."), None) or torch.float32
 
 
+class _ExplainedMetaFailures(logging.Filter):
+    """Drops the fake tensor mode's log of a meta kernel's failure that `UntraceableDtype`
+    explains (torch logs each failure with its whole stack before raising it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, RuntimeError) and _grouped_mm_dtype(error) is not None)
+
+
 @contextlib.contextmanager
 def _explains_data_dependence(shape_env: Optional[ShapeEnv] = None):
     """Trace errors said in the model's terms: data-dependent sizes and values, and an operator
     refused in its dtype (`UntraceableDtype`)."""
+    fake_log, explained = logging.getLogger("torch._subclasses.fake_tensor"), _ExplainedMetaFailures()
+    fake_log.addFilter(explained)
     try:
         yield
     except DynamicOutputShapeException as e:
@@ -224,6 +236,8 @@ def _explains_data_dependence(shape_env: Optional[ShapeEnv] = None):
         if dtype is None:
             raise
         raise UntraceableDtype(_users_line(e.__traceback__), dtype) from e
+    finally:
+        fake_log.removeFilter(explained)
 
 
 def _users_line(tb) -> str:
