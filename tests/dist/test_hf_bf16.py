@@ -1,6 +1,6 @@
-"""Hugging Face Llama and Mixtral (its default grouped experts, which trace in bfloat16 only) with
-bfloat16 masters on 2 ranks at ZeRO-3, equal bit for bit to the eager reference written apart
-from the engine (`tests/dist/low_precision_reference.py`), resident and with every unit
+"""Hugging Face Llama, Mixtral and Qwen2-MoE (their default grouped experts, which trace in
+bfloat16 only; Qwen2-MoE's shared expert beside them) with bfloat16 masters on 2 ranks at ZeRO-3,
+equal bit for bit to the eager reference written apart from the engine (`tests/dist/low_precision_reference.py`), resident and with every unit
 recomputed. The reference casts the parameters and keeps the buffers' dtype, as fxzero (and
 FSDP2, and DeepSpeed 0.19's bf16) does: a Llama's rotary frequencies (`inv_freq`) stay float32
 (cast to bfloat16, as `model.to(torch.bfloat16)` does, they round, and the logits move by about
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 transformers = pytest.importorskip("transformers")
 
 BF16, WORLD, STEPS = torch.bfloat16, 2, 4
-MODELS = ("llama", "mixtral")
+MODELS = ("llama", "mixtral", "qwen2_moe")
 
 
 class _Logits(torch.nn.Module):
@@ -33,8 +33,13 @@ class _Logits(torch.nn.Module):
                      num_key_value_heads=2, vocab_size=128, use_cache=False)
         if name == "llama":
             self.m = t.LlamaForCausalLM(t.LlamaConfig(**shape))
-        else:
+        elif name == "mixtral":
             self.m = t.MixtralForCausalLM(t.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2))
+        else:  # (a shared expert beside the routed ones, gated by its own sigmoid)
+            self.m = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                                            moe_intermediate_size=48,
+                                                            shared_expert_intermediate_size=96))
+        if name != "llama":
             assert self.m.config._experts_implementation == "grouped_mm"  # (the default this test is about)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
