@@ -1,10 +1,10 @@
-"""Hugging Face Llama, Mixtral and Qwen2-MoE (their default grouped experts, which trace in
-bfloat16 only; Qwen2-MoE's shared expert beside them) with bfloat16 masters on 2 ranks at ZeRO-3,
-equal bit for bit to the eager reference written apart from the engine
-(`tests/dist/low_precision_reference.py`), resident and with every unit recomputed. The reference casts the parameters and keeps the buffers' dtype, as fxzero (and
-FSDP2, and DeepSpeed 0.19's bf16) does: a Llama's rotary frequencies (`inv_freq`) stay float32
-(cast to bfloat16, as `model.to(torch.bfloat16)` does, they round, and the logits move by about
-3e-3)."""
+"""Hugging Face Llama, Mixtral and Qwen2-MoE (their default grouped experts, which trace in bfloat16
+only; Qwen2-MoE's shared expert beside them) with bfloat16 masters on 2 ranks at ZeRO-3, equal bit
+for bit to the eager reference written apart from the engine
+(`tests/dist/low_precision_reference.py`), resident and with every unit recomputed. The reference
+casts the parameters and keeps the buffers' dtype, as fxzero (and FSDP2, and DeepSpeed 0.19's bf16)
+does: a Llama's rotary frequencies (`inv_freq`) stay float32 (cast to bfloat16, as
+`model.to(torch.bfloat16)` does, they round, and the logits move by about 3e-3)."""
 
 from __future__ import annotations
 
