@@ -27,6 +27,7 @@ _EXPORTS = {
     "Autocast": "fxzero.config",
     "Bucket": "fxzero.config",
     "CompiledProgram": "fxzero.schedule.compiled",
+    "DeepSpeedEngine": "fxzero.runtime.engine",  # (DeepSpeed's top-level name for its engine: fxzero's Engine)
     "Config": "fxzero.config",
     "Cpu": "fxzero.config",
     "Device": "fxzero.config",

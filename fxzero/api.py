@@ -118,6 +118,8 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
                          f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
                          "backward: drop step_in_backward, or make the batch sizes imply one micro-step")
     record = getattr(model, "_fxzero_zero_init", None)  # built under fxzero.zero.Init ([Note: zero.Init])
+    if record is not None and record.materialized:  # ([Note: gathering before initialize]): built whole since
+        record = None
     seeded = state_dict is None and record is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))

@@ -41,7 +41,7 @@ from typing import Optional
 __all__ = ["NAMES", "PROVIDED", "install", "installed"]
 
 PROVIDED = ("accelerator", "checkpointing", "comm", "zero", "utils", "moe", "moe.utils", "moe.layer", "pipe",
-            "runtime", "runtime.engine")
+            "runtime", "runtime.engine", "runtime.lr_schedules")
 """DeepSpeed's modules fxzero provides (as fxzero.<name>), beside the package itself."""
 
 NAMES: dict[str, dict[str, str]] = {
@@ -52,7 +52,10 @@ NAMES: dict[str, dict[str, str]] = {
     "runtime.zero.partition_parameters": {"ZeroParamStatus": "fxzero.zero:ZeroParamStatus",
                                           "Init": "fxzero.zero:Init",
                                           "GatheredParameters": "fxzero.zero:GatheredParameters",
-                                          "register_external_parameter": "fxzero.zero:register_external_parameter"},
+                                          "register_external_parameter": "fxzero.zero:register_external_parameter",
+                                          # (patched by Hugging Face's from_pretrained around zero.Init)
+                                          "zero_wrapper_for_fp_tensor_constructor":
+                                              "fxzero.zero:zero_wrapper_for_fp_tensor_constructor"},
     "runtime.zero.utils": {"ZeRORuntimeException": "fxzero.zero:ZeRORuntimeException"},
     "utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": "fxzero.utils:get_fp32_state_dict_from_zero_checkpoint",

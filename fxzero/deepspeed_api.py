@@ -32,11 +32,11 @@ from fxzero.runtime.engine import Engine
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
-_TORCH_OPTIMIZER_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-                             "fused": None}
+_TORCH_OPTIMIZER_DEFAULTS = {"maximize": False, "capturable": False, "differentiable": False, "fused": None}
 """Options of torch.optim's optimizers that fxzero's update honours only at these values: how torch
-computes (foreach, fused, capturable, differentiable: fxzero runs its single-tensor arithmetic on
-shards) and maximize."""
+computes (capturable, differentiable; fused, except where the policy runs torch's fused kernel
+itself: `AdamW.fused`) and maximize. `foreach` is read as any value: torch's foreach and
+for-loop paths do the same arithmetic per element, which is fxzero's."""
 
 _POLICY_OF_TORCH: dict[type, type[OptimizerPolicy]] = {
     getattr(torch.optim, cls.TORCH): cls for cls in OPTIMIZERS if cls.TORCH is not None}
@@ -147,7 +147,10 @@ def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPo
                         "one of them (its param groups and hyperparameters are read), or name the optimizer in the "
                         "config (\"Lion\" too)")
     d = optimizer.defaults
+    fields_of = {f.name for f in dataclasses.fields(cls)}
     for option, default in _TORCH_OPTIMIZER_DEFAULTS.items():
+        if option in fields_of:  # (the policy runs it: AdamW.fused)
+            continue
         for group in [d, *optimizer.param_groups]:
             value = group.get(option, default)
             if value not in (default, False):

@@ -18,6 +18,19 @@ construction gives. At the block's end the global RNG is moved to where eager co
 have left it (by a replay whose values are dropped), so later draws in the script (data order,
 dropout) are DeepSpeed's too. `remote_device` needs no translating: construction allocates
 nothing on any device, and where shards live while training is the config's `offload_param`.
+
+[Note: gathering before initialize]
+Code written for DeepSpeed gathers a model built under `zero.Init` before `initialize`:
+Hugging Face's `from_pretrained` at ZeRO-3 builds the model in the block, then runs its init and
+loads the checkpoint's values on rank 0 inside `GatheredParameters(params, modifier_rank=0)`,
+module by module. DeepSpeed has each parameter partitioned by then; fxzero has no shards before
+`initialize` (their layout is the compile's). So the first gather of such a model materializes
+it whole on every rank, from its own init replayed (the values `initialize` would have given),
+and from then on it is a model built eagerly: the modifier's values are broadcast to every rank
+at the end of each block (with `modifier_rank=None`, changes are dropped), and `initialize`
+shards it from rank 0's values. The cost is DeepSpeed's saving: each rank holds the whole model
+in memory from the first gather until `initialize` (Hugging Face's loading reads the whole
+checkpoint on rank 0 in any case).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -35,7 +49,7 @@ from fxzero.runtime.init_replay import initial_values
 from fxzero.runtime.user_module import binding_of
 
 __all__ = ["GatheredParameters", "Init", "InitRecord", "ZeRORuntimeException", "ZeroParamStatus", "init_record",
-           "param_status", "register_external_parameter"]
+           "param_status", "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
 
 _RECORD = "_fxzero_zero_init"
 """The attribute a module built under `Init` carries: its `InitRecord`."""
@@ -49,6 +63,13 @@ class InitRecord:
     """The global CPU RNG state when the block began: its init is replayed from here."""
     config: Any = None
     """`config_dict_or_path` (or `config`): the DeepSpeed config, used when initialize gets none."""
+    materialized: bool = False
+    """Gathered before initialize, and so built whole on every rank since ([Note: gathering
+    before initialize]): `initialize` shards it as a model built eagerly."""
+
+
+_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""The models built under `Init` (the roots of what a block constructed)."""
 
 
 def init_record(model: nn.Module) -> Optional[InitRecord]:
@@ -123,11 +144,20 @@ class Init:
         state = self._start
         for root in roots:  # each root's init, replayed as eager construction ran it, in order
             setattr(root, _RECORD, InitRecord(state, self.config))
+            _ROOTS.add(root)
             stats: dict = {}
             for _ in initial_values(root, state, stats):
                 pass
             state = stats.get("rng_after", state)
         torch.random.set_rng_state(state)  # where eager construction would have left the RNG
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's `Init` wraps tensor constructors with this, casting floating tensors to the
+    config's dtype and device; fxzero's builds on the meta device and casts nothing, so it returns
+    `fn` as it is. Code that patches it around `Init` (Hugging Face's
+    `prevent_arange_dtype_change`) finds it, and changes nothing."""
+    return fn
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -161,6 +191,33 @@ class ZeRORuntimeException(Exception):
     keeps working."""
 
 
+def _built_under_init(param: torch.Tensor) -> Optional[nn.Module]:
+    """The model built under `Init` that holds `param`, or None."""
+    for root in list(_ROOTS):
+        if any(q is param for q in root.parameters()):
+            return root
+    return None
+
+
+@torch.no_grad()
+def _materialize(root: nn.Module) -> None:
+    """Give a model built under `Init` its values whole, in place, on this rank: its own init
+    replayed from where the block began ([Note: gathering before initialize]). Parameters keep
+    their identity (their storage is swapped in); the global RNG is left where it is."""
+    record = init_record(root)
+    values = list(initial_values(root, record.rng_state))  # (the replay puts the model back as it found it)
+    for what, fqn, value in values:
+        if what == "param":
+            param = root.get_parameter(fqn)
+            whole = nn.Parameter(value, requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, whole)
+            param.__dict__.update(whole.__dict__)  # (the swap moves attributes too: Hugging Face's flags stay put)
+        else:
+            owner, _, name = fqn.rpartition(".")
+            root.get_submodule(owner)._buffers[name] = value
+    setattr(root, _RECORD, dataclasses.replace(record, materialized=True))
+
+
 def _flat(params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
@@ -190,8 +247,15 @@ class GatheredParameters:
 
     def __enter__(self) -> "GatheredParameters":
         by_binding: dict[int, tuple[Any, list[str]]] = {}
+        self._unsharded: list[torch.Tensor] = []  # of models built under Init, before initialize
         for p in self.params:
             found = binding_of(p)
+            root = _built_under_init(p) if found is None else None
+            if root is not None:  # ([Note: gathering before initialize])
+                if p.is_meta:
+                    _materialize(root)
+                self._unsharded.append(p)
+                continue
             if found is None:
                 if p.is_meta:
                     raise RuntimeError(
@@ -208,6 +272,8 @@ class GatheredParameters:
                 raise ValueError(f"[rank {binding.comm.rank}] GatheredParameters(modifier_rank={self.modifier_rank})"
                                  f": ranks are 0..{binding.comm.world_size - 1}")
             stack.enter_context(binding.gathered(list(dict.fromkeys(fqns)), self.modifier_rank))
+        if self._unsharded:
+            stack.enter_context(_modified_by(list({id(p): p for p in self._unsharded}.values()), self.modifier_rank))
         self._stack = stack
         return self
 
@@ -215,3 +281,26 @@ class GatheredParameters:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(*exc)
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def _modified_by(params: list[torch.Tensor], modifier_rank: Optional[int]):
+    """GatheredParameters' end for whole parameters of a model not yet sharded: the modifier's
+    values broadcast to every rank (a collective), or, with no modifier, the values from before
+    the block put back."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if modifier_rank is not None and not 0 <= modifier_rank < world:
+        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): ranks are 0..{world - 1}")
+    before = [p.detach().clone() for p in params] if modifier_rank is None else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            for p, value in zip(params, before):
+                p.copy_(value)
+        elif world > 1:
+            for p in params:
+                dist.broadcast(p.data, src=modifier_rank)

@@ -16,7 +16,9 @@ stage  parameters between uses  gradients after backward    optimizer states
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 from typing import Any, Literal, Optional, Union
 
@@ -145,6 +147,11 @@ class Config:
     collectives, no choices). Checked when the engine starts (`fxzero.cost.resolve`), where the
     cost models live."""
 
+    deepspeed_source: Optional[dict[str, Any]] = dataclasses.field(default=None, compare=False, repr=False)
+    """The DeepSpeed config this Config was read from (`from_deepspeed`; a copy), which `get`
+    answers from; None for a Config built in Python. Not compared: two Configs that train alike
+    are equal however they were written."""
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"Config.stage must be 1, 2 or 3, got {self.stage!r}")
@@ -237,4 +244,21 @@ class Config:
         reading = read_deepspeed(ds)
         warn_ineffective(reading.ineffective)
         print_once(reading.resolved + reading.notes)
-        return cls(**reading.fields)
+        if not isinstance(ds, dict):
+            with open(ds) as f:
+                ds = json.load(f)
+        return cls(**reading.fields, deepspeed_source=copy.deepcopy(ds))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """DeepSpeed's top-level config key `key` as the DeepSpeed config this Config was read
+        from gives it (a copy), else `default`. DeepSpeed's `engine.config` is that dict, and code
+        written for DeepSpeed reads it so (Hugging Face's Trainer:
+        `engine.config.get("zero_optimization", {}).get("stage")`).
+
+        Raises:
+            ValueError: this Config was built in Python, not read from a DeepSpeed config.
+        """
+        if self.deepspeed_source is None:
+            raise ValueError(f"Config.get({key!r}) reads the DeepSpeed config a Config was read from, and this one "
+                             "was built in Python: read its fields instead (config.stage, config.optimizer, ...)")
+        return copy.deepcopy(self.deepspeed_source.get(key, default))

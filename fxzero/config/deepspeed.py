@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 from typing import Any, NamedTuple, Union
 
@@ -464,7 +465,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),
         gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
         gradient_reduction=_reduction(get),
-        steps_per_print=_int_or_none(get, "steps_per_print"),
+        steps_per_print=None if get("steps_per_print") == math.inf else _int_or_none(get, "steps_per_print"),
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(get("dataloader_drop_last")),
     )

@@ -134,6 +134,11 @@ class AdamW(OptimizerPolicy):
     bias_correction: bool = True
     """False: the moments are used as they are, without dividing by 1 - beta**step (DeepSpeed's
     FusedAdam / DeepSpeedCPUAdam with "bias_correction": false); torch.optim always corrects."""
+    fused: bool = False
+    """True: each shard range is updated by torch's fused kernel (`torch.optim.AdamW(fused=True)`,
+    which Hugging Face's Trainer uses by default as "adamw_torch_fused"). It rounds differently
+    from the for-loop arithmetic (about one ulp a step), so a client's fused optimizer trains as
+    under DeepSpeed, which steps it on its flat partitions."""
 
     def __post_init__(self) -> None:
         self._check_nonnegative("lr")
@@ -141,6 +146,9 @@ class AdamW(OptimizerPolicy):
         self._check_nonnegative("eps", "weight_decay")
         if self.amsgrad and not self.bias_correction:
             raise ValueError(f"{type(self).__name__}(amsgrad=True, bias_correction=False): torch.optim's AMSGrad "
+                             "always corrects the moments' bias; choose one of them")
+        if self.fused and not self.bias_correction:
+            raise ValueError(f"{type(self).__name__}(fused=True, bias_correction=False): torch's fused kernel "
                              "always corrects the moments' bias; choose one of them")
 
     def uses(self, group: Mapping[str, Any]) -> tuple[str, ...]:

@@ -387,15 +387,23 @@ class Engine:
             return
         self.state.grads[unit] = held.add_(grad)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` through the last forward: the same as `loss.backward()`."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate `loss` through the last forward: the same as `loss.backward()`.
+
+        DeepSpeed's arguments: `scale_wrt_gas=False` when the caller has divided the loss by the
+        accumulation steps itself (Hugging Face's Trainer does); `retain_graph=True` is refused:
+        the backward program frees each activation after its last use."""
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
             raise TypeError(
                 f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
                 "engine's outputs (it does not require grad: was it computed under no_grad?)"
             )
+        if retain_graph:
+            raise ValueError(f"[rank {self.rank}] engine.backward(retain_graph=True): fxzero's backward program frees "
+                             "each saved activation after its last use, so a second backward through the same "
+                             "forward has nothing to read; run the forward again for each backward")
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
-        self.control.loss_to_backward(loss).backward()
+        self.control.loss_to_backward(loss, scale_wrt_gas).backward()
         self._log.loss(loss)
 
     @property
@@ -446,8 +454,19 @@ class Engine:
         self.state.steps[ins.unit] = step
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next step() updates (DeepSpeed's name): every gradient_accumulation_steps-th."""
+        """Whether the next step() updates (DeepSpeed's name): every gradient_accumulation_steps-th,
+        or what `set_gradient_accumulation_boundary` said."""
         return self.control.boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next backward and step() end an accumulation, in place of the count
+        (DeepSpeed's override, which accelerate and Hugging Face's Trainer set before every
+        backward and follow with step() only at a boundary). The backward's loss is still divided
+        by gradient_accumulation_steps unless `backward(..., scale_wrt_gas=False)`."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"[rank {self.rank}] set_gradient_accumulation_boundary takes True or False, "
+                            f"got {is_boundary!r}")
+        self.control.boundary_override = is_boundary
 
     @torch.no_grad()
     def step(self) -> None:
@@ -691,6 +710,25 @@ class Engine:
         unit at a time; ".safetensors" streams, any other name is one torch.save of the dict. A
         collective. Returns the path on rank 0, None elsewhere. See `checkpoint/export.py`."""
         return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, as the DeepSpeed config this
+        engine was read from says it (False where it says nothing, DeepSpeed's default); True for a
+        Config built in Python. accelerate and Hugging Face's Trainer ask it before saving: True
+        saves the weights (`_zero3_consolidated_16bit_state_dict`), False a checkpoint. fxzero's
+        own `save_16bit_model` gathers either way."""
+        if self.config.deepspeed_source is None:
+            return True
+        zero = self.config.get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
+                             zero.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict[str, torch.Tensor]]:
+        """The model's state dict in its compute dtype on rank 0, None on the others (DeepSpeed's
+        name, which accelerate and Hugging Face's Trainer call to save a ZeRO-3 model): what
+        `save_16bit_model` writes, gathered one unit at a time. A collective."""
+        return checkpoint.consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and this rank's buffers, keyed like `model.state_dict()`.

@@ -32,7 +32,11 @@ import torch
 
 from fxzero.config.schedules import LRRangeTest, LRSchedule, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-__all__ = ["Scheduler", "build_scheduler"]
+__all__ = ["VALID_LR_SCHEDULES", "Scheduler", "build_scheduler"]
+
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+"""The config's scheduler types, as DeepSpeed names them (`deepspeed.runtime.lr_schedules`: accelerate
+tells a scheduler DeepSpeed built from a client's by its class name in this list)."""
 
 
 def _warmup_fraction(i: int, warmup_steps: int, warmup_type: str) -> float:

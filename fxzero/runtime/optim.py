@@ -117,6 +117,8 @@ _Arithmetic = Callable[[OptimizerPolicy, torch.Tensor, torch.Tensor, dict, int, 
 
 
 def _arithmetic(policy: OptimizerPolicy) -> _Arithmetic:
+    if isinstance(policy, AdamW) and policy.fused:
+        return _fused_adam
     if isinstance(policy, AdamW) and not policy.amsgrad:  # Adam too: L2 weight decay instead of decoupled
         return _adam
     if isinstance(policy, Adagrad):
@@ -161,6 +163,20 @@ def _adam(policy, param, grad, states, step: int, hp: dict) -> None:
     # (sqrt(v) / sqrt(bc2)) + eps, the same operations as torch.optim.AdamW, in one buffer.
     denom = torch.sqrt(exp_avg_sq, out=_scratch(exp_avg_sq)).div_(math.sqrt(bias_correction2)).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _fused_adam(policy, param, grad, states, step: int, hp: dict) -> None:
+    """`AdamW(fused=True)` (Adam too): torch's fused kernel on one range, as `torch.optim.AdamW(fused=True)`
+    runs it on a whole tensor; element-wise, so a range of a flat shard is updated as its elements
+    would be in the whole parameters."""
+    (beta1, beta2) = hp["betas"]
+    amsgrad = bool(hp.get("amsgrad", False))
+    kernel = torch._fused_adam_ if isinstance(policy, Adam) else torch._fused_adamw_
+    kernel([param], [grad], [states["exp_avg"]], [states["exp_avg_sq"]],
+           [states["max_exp_avg_sq"]] if amsgrad else [],
+           [torch.tensor(float(step), dtype=torch.float32, device=param.device)],
+           lr=hp["lr"], beta1=beta1, beta2=beta2, weight_decay=hp["weight_decay"], eps=hp["eps"],
+           amsgrad=amsgrad, maximize=False)
 
 
 def _adagrad(policy, param, grad, states, step: int, hp: dict) -> None:

@@ -75,6 +75,8 @@ class StepControl:
         self.lr_scheduler: Any = None
         self.micro_steps = 0
         """Calls of engine.step() so far."""
+        self.boundary_override: Optional[bool] = None
+        """What `engine.set_gradient_accumulation_boundary` said the next step() is (None: the count decides)."""
         self.global_steps = 0
         """Optimizer steps so far (accumulation boundaries), skipped ones included."""
         self.skipped_steps = 0
@@ -86,19 +88,24 @@ class StepControl:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def loss_to_backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """The tensor to run the backward from: the loss, over the accumulation steps, scaled."""
+    def loss_to_backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """The tensor to run the backward from: the loss, over the accumulation steps (unless
+        `scale_wrt_gas` is False: the caller divided it), scaled."""
+        divisor = self.accumulation if scale_wrt_gas else 1
         if self.scaler is None:
             # [Note: one flag per step]: reduced ahead of the backward's collectives; a tensor on
             # the loss's device, read at the step ([Note: no host sync in a step]).
             flag = torch.isfinite(loss.detach()).all().logical_not().to(torch.float32).reshape(1)
             self._loss_flags.append((self.comm.all_reduce(flag, count=False), flag))
-            return loss / self.accumulation if self.accumulation > 1 else loss
-        return loss.float() * (self.scaler.scale / self.accumulation)
+            return loss / divisor if divisor > 1 else loss
+        return loss.float() * (self.scaler.scale / divisor)
 
     @property
     def boundary(self) -> bool:
-        """Whether the next engine.step() updates (the last micro-step of an accumulation)."""
+        """Whether the next engine.step() updates (the last micro-step of an accumulation, or what
+        the caller set: `engine.set_gradient_accumulation_boundary`)."""
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps + 1) % self.accumulation == 0
 
     # -- the update ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ launcher option fxzero does not have). The multi-rank behaviour is tests/dist/te
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -68,19 +69,49 @@ def test_an_expert_layer_is_refused():
     assert fxzero.moe.utils.split_params_into_different_moe_groups_for_optimizer(params) == [params]
 
 
-def test_gathering_a_parameter_before_initialize_says_where_its_value_comes_from():
+def test_gathering_before_initialize_builds_the_model_whole_from_its_own_init():
+    """[Note: gathering before initialize] in fxzero/zero.py: what Hugging Face's from_pretrained does
+    at ZeRO-3 (init, then the checkpoint's values written on rank 0, module by module)."""
+    torch.manual_seed(3)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    torch.manual_seed(3)
     with fxzero.zero.Init():
-        model = nn.Linear(4, 4)
-    assert model.weight.is_meta
-    with pytest.raises(RuntimeError, match=r"no fxzero engine holds it yet .* Initialize it in the module's "
-                                           r"reset_parameters\(\) or the model's _init_weights\(module\), or gather it "
-                                           r"after fxzero.initialize"):
-        with fxzero.zero.GatheredParameters(model.weight, modifier_rank=0):
-            pass
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    after_block = torch.rand(1)
+    weight = model[0].weight
+    weight._is_hf_initialized = True  # (a flag set before the gather stays on the parameter)
+    assert weight.is_meta
+    with torch.no_grad(), fxzero.zero.GatheredParameters(weight, modifier_rank=None):
+        assert torch.equal(weight, eager[0].weight)  # the values its own init gives, as eager construction
+        weight.zero_()  # dropped: no modifier
+    assert model[0].weight is weight and weight._is_hf_initialized and not weight.is_meta
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), eager.state_dict().values()))
+    with torch.no_grad(), fxzero.zero.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+        model[2].weight.fill_(0.5)  # kept: the modifier's
+    assert torch.equal(model[2].weight, torch.full((2, 4), 0.5))
+    torch.manual_seed(3)
+    nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    assert torch.equal(torch.rand(1), after_block)  # the block left the RNG where eager construction does
+    engine = fxzero.compile(model, fxzero.Config(stage=3))  # sharded from the values it holds now
+    full = engine.full_state_dict()
+    assert torch.equal(full["2.weight"], torch.full((2, 4), 0.5)) and torch.equal(full["0.weight"], eager[0].weight)
+
     eager = nn.Linear(4, 4)
     with fxzero.zero.GatheredParameters(eager.parameters(), modifier_rank=0):  # not fxzero's: left as it is
         eager.weight.data.zero_()
     assert not eager.weight.any()
+
+
+def test_huggingface_patches_of_zero_init_find_deepspeeds_names():
+    """transformers' prevent_arange_dtype_change swaps partition_parameters'
+    zero_wrapper_for_fp_tensor_constructor around zero.Init: fxzero's Init casts nothing, so the
+    name is there and is the identity."""
+    from fxzero.deepspeed_alias import install
+
+    install()
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    assert pp.zero_wrapper_for_fp_tensor_constructor(torch.arange, torch.float16, "cpu") is torch.arange
 
 
 def test_zero_init_disabled_builds_eagerly_and_unknown_options_are_named():
@@ -99,3 +130,26 @@ def test_stage_0_is_reported_as_deepspeed_names_it():
     engine, *_ = fxzero.initialize(model=nn.Linear(4, 4), config={"train_micro_batch_size_per_gpu": 1,
                                                                   "zero_optimization": {"stage": 2}})
     assert engine.zero_optimization_stage() == 2
+
+
+def test_the_shim_is_an_installed_deepspeed_to_accelerate_and_transformers():
+    """accelerate and transformers take DeepSpeed as installed only with its package metadata
+    (`importlib.metadata`): under `fxzero run` that is fxzero's, giving the DeepSpeed version whose
+    API it follows. With it, the names Hugging Face's Trainer imports resolve to fxzero's."""
+    import subprocess
+
+    from fxzero.config.deepspeed_defaults import DEEPSPEED_VERSION
+    from fxzero.config.schedules import SCHEDULES
+
+    code = ("import importlib.metadata, json, deepspeed\n"
+            "from accelerate.utils import is_deepspeed_available as a\n"
+            "from transformers.integrations.deepspeed import is_deepspeed_available as t\n"
+            "from deepspeed import DeepSpeedEngine\n"
+            "from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES\n"
+            "print(json.dumps([importlib.metadata.version('deepspeed'), a(), t(), DeepSpeedEngine.__module__,"
+            " VALID_LR_SCHEDULES]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SHIM, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    version, by_accelerate, by_transformers, engine_module, schedules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert version == f"{DEEPSPEED_VERSION}+fxzero" and by_accelerate and by_transformers
+    assert engine_module == "fxzero.runtime.engine" and sorted(schedules) == sorted(SCHEDULES)

@@ -145,3 +145,65 @@ def test_mistakes_before_training():
         warnings.simplefilter("error", IneffectiveSetting)
         with pytest.raises(IneffectiveSetting, match="overlap_comm"):
             fxzero.initialize(model=_model(), config={**DS, "zero_optimization": {"stage": 3, "overlap_comm": True}})
+
+
+def test_the_boundary_set_by_the_caller_trains_as_the_counted_one():
+    """accelerate (Hugging Face's Trainer) sets the boundary before every backward, divides the
+    loss by the accumulation steps itself (`backward(loss, scale_wrt_gas=False)`) and calls
+    step() only at a boundary: the same update as DeepSpeed's counted loop, bit for bit."""
+    batches = list(torch.utils.data.DataLoader(_data(), batch_size=4))[:4]
+
+    def run(caller_sets_boundary: bool) -> dict[str, torch.Tensor]:
+        model = _model()
+        engine, *_ = fxzero.initialize(model=model, model_parameters=model.parameters(), config=DS)
+        for i, (x, y) in enumerate(batches):
+            loss = nn.functional.cross_entropy(engine(x), y)
+            if caller_sets_boundary:
+                boundary = i % 2 == 1
+                engine.set_gradient_accumulation_boundary(boundary)
+                assert engine.is_gradient_accumulation_boundary() == boundary
+                engine.backward(loss / 2, scale_wrt_gas=False)
+                if boundary:
+                    engine.step()
+            else:
+                engine.backward(loss)
+                engine.step()
+        assert engine.global_steps == 2
+        return engine.full_state_dict()
+
+    counted, set_by_caller = run(False), run(True)
+    assert counted.keys() == set_by_caller.keys()
+    assert all(torch.equal(counted[k], set_by_caller[k]) for k in counted)
+    assert not torch.equal(counted["0.weight"], _model()[0].weight), "it trained"
+
+
+def test_what_huggingfaces_trainer_reads_of_the_engine():
+    """`engine.config.get(...)` (DeepSpeed's engine.config is its dict), the 16-bit gather switch
+    and the consolidated state dict, `backward(retain_graph=True)` refused, and accelerate's
+    `steps_per_print: inf` (no log line)."""
+    model = _model()
+    ds = {**DS, "steps_per_print": float("inf"),
+          "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, *_ = fxzero.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    assert engine.config.steps_per_print is None
+    assert engine.config.get("zero_optimization", {}).get("stage") == 3
+    assert engine.config.get("bf16", {}) == {} and engine.zero_gather_16bit_weights_on_model_save() is True
+    engine.config.get("zero_optimization")["stage"] = 1  # (a copy: the engine's is unchanged)
+    assert engine.config.get("zero_optimization")["stage"] == 3
+    x, y = _data()[:4]
+    loss = nn.functional.cross_entropy(engine(x), y)
+    with pytest.raises(ValueError, match=r"retain_graph=True\): fxzero's backward program frees each saved activation"):
+        engine.backward(loss, retain_graph=True)
+    engine.backward(loss)
+    engine.step()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    full = engine.full_state_dict()
+    assert list(state) == list(model.state_dict()) and all(torch.equal(state[k], full[k]) for k in state)
+
+    default = {**DS, "zero_optimization": {"stage": 3}}
+    engine, *_ = fxzero.initialize(model=_model(), config=default)
+    assert engine.zero_gather_16bit_weights_on_model_save() is False  # DeepSpeed's default
+    assert fxzero.compile(_model(), fxzero.Config(stage=3)).zero_gather_16bit_weights_on_model_save() is True
+    with pytest.raises(ValueError, match=r"Config.get\('zero_optimization'\) reads the DeepSpeed config a Config was "
+                                         r"read from, and this one was built in Python"):
+        fxzero.Config(stage=3).get("zero_optimization")

@@ -190,6 +190,9 @@ def test_policies_take_torchs_constructor_defaults_and_names():
             if f.name == "bias_correction":  # (DeepSpeed's FusedAdam switch; torch always corrects)
                 assert cls().bias_correction is True
                 continue
+            if f.name == "fused":  # (torch's None picks the for-loop arithmetic on the CPU, fxzero's False)
+                assert torch_defaults["fused"] is None and cls().fused is False
+                continue
             want = torch_defaults[f.name]
             got = getattr(cls(), f.name)
             assert (tuple(got) if isinstance(got, tuple) else got) == (tuple(want) if isinstance(want, (tuple, list))
@@ -226,7 +229,7 @@ def test_optimizers_that_need_whole_parameters_are_refused_with_the_reason():
     with pytest.raises(TypeError, match=r"optimizer is a MySGD: fxzero runs the element-wise torch.optim optimizers "
                                         r"on its shards \(torch.optim.AdamW, .*torch.optim.SGD.*; a subclass"):
         _from_torch_optimizer(MySGD(model.parameters()))
-    for bad, message in ((dict(foreach=True), "foreach=True is not supported"),
+    for bad, message in ((dict(fused=True), "fused=True is not supported"),
                          (dict(maximize=True), "maximize=True is not supported"),
                          (dict(lr=torch.tensor(0.1)), r"param group 0 holds \['lr'\] as tensors")):
         with pytest.raises(ValueError, match=message):
@@ -267,3 +270,34 @@ def test_policies_validate_like_torch():
     assert fxzero.NAdam().initial_value("mu_product") == 1.0 and fxzero.ASGD(lr=0.3).initial_value("eta") == 0.3
     assert fxzero.Offload(optimizer=fxzero.Cpu()).tiers(optimizer=fxzero.NAdam()) == {
         "exp_avg": "cpu", "exp_avg_sq": "cpu", "mu_product": "cpu", "grad": "cpu"}
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_a_fused_or_foreach_client_optimizer_updates_as_torch_does(cls):
+    """Hugging Face's Trainer passes torch.optim.AdamW(fused=True) ("adamw_torch_fused", its default):
+    fxzero runs torch's fused kernel on each shard range, equal to the whole tensor's fused step bit
+    for bit (torch's for-loop arithmetic differs from it in the last bits, so this pins which one
+    ran); foreach=True is torch's for-loop arithmetic, which fxzero's own update equals."""
+    torch.manual_seed(0)
+    p0, grads = torch.randn(1000), [torch.randn(1000) for _ in range(4)]
+    options = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)
+
+    def torch_steps(**how):
+        p = nn.Parameter(p0.clone())
+        opt = cls([p], **options, **how)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach()
+
+    fused_ref, loop_ref = torch_steps(fused=True), torch_steps(foreach=False)
+    assert not torch.equal(fused_ref, loop_ref), "the two arithmetics differ here, so the test tells them apart"
+    for how, want in ((dict(fused=True), fused_ref), (dict(foreach=True), loop_ref)):
+        policy, _ = _from_torch_optimizer(cls([nn.Parameter(p0.clone())], **options, **how))
+        assert policy.fused is ("fused" in how)
+        param = p0.clone()
+        states = [torch.zeros(1000) for _ in policy.states]
+        groups = [policy.defaults()]
+        for step, g in enumerate(grads, start=1):  # two ranges of one shard, cut mid-parameter
+            optim_step(policy, param, g.clone(), states, step, groups, [(0, 337, 0), (337, 1000, 0)])
+        assert torch.equal(param, want), how

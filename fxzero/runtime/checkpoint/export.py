@@ -36,7 +36,8 @@ from fxzero.runtime.checkpoint.load import resolve_checkpoint
 from fxzero.runtime.checkpoint.reader import CheckpointReader
 from fxzero.runtime.checkpoint.safetensors_stream import Entry, SafetensorsWriter
 
-__all__ = ["DTYPES", "HF_CONFIG", "SAFETENSORS", "export_checkpoint", "save_16bit_model"]
+__all__ = ["DTYPES", "HF_CONFIG", "SAFETENSORS", "consolidated_16bit_state_dict", "export_checkpoint",
+           "save_16bit_model"]
 
 SAFETENSORS = "model.safetensors"
 HF_CONFIG = "config.json"
@@ -148,22 +149,36 @@ def _gathered(engine, layout, dtype: torch.dtype) -> torch.Tensor:
     return flat
 
 
-class _TorchSave:
-    """The `.bin` sink: the whole dict, then one torch.save (DeepSpeed's format)."""
+class _Collect:
+    """The in-memory sink: the whole dict, in the model's order."""
 
-    def __init__(self, path: str, order: list[str]) -> None:
-        self.path, self._order, self._values = path, order, {}
+    def __init__(self, order: list[str]) -> None:
+        self._order, self._values = order, {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._values[name] = tensor.clone()  # (a clone: a view would save its unit's whole buffer)
+        self._values[name] = tensor.clone()  # (a clone: a view would keep its unit's whole buffer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: self._values[name] for name in self._order}
 
     def close(self) -> None:
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        torch.save({name: self._values[name] for name in self._order}, tmp)
-        os.replace(tmp, self.path)
+        pass
 
     def abort(self) -> None:
         self._values.clear()
+
+
+class _TorchSave(_Collect):
+    """The `.bin` sink: the whole dict, then one torch.save (DeepSpeed's format)."""
+
+    def __init__(self, path: str, order: list[str]) -> None:
+        super().__init__(order)
+        self.path = path
+
+    def close(self) -> None:
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, self.path)
 
 
 @torch.no_grad()
@@ -189,6 +204,32 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     Returns:
         The file's path on rank 0, None on the other ranks.
     """
+    path = os.path.join(save_dir, save_filename)
+
+    def open_sink(entries: list[Entry], order: list[str]):
+        os.makedirs(save_dir, exist_ok=True)
+        return SafetensorsWriter(path, entries, _HF_METADATA) if save_filename.endswith(".safetensors") \
+            else _TorchSave(path, order)
+
+    _gather_16bit(engine, open_sink, exclude_frozen_parameters, f"save_16bit_model: rank 0 could not write {path}")
+    return path if engine.rank == 0 else None
+
+
+@torch.no_grad()
+def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool = False
+                                  ) -> Optional[dict[str, torch.Tensor]]:
+    """What `save_16bit_model` writes, as a dict on rank 0 (None on the other ranks): DeepSpeed's
+    `engine._zero3_consolidated_16bit_state_dict()`, which accelerate and Hugging Face's Trainer
+    save. A collective; rank 0 holds the whole model in its compute dtype."""
+    sink = _gather_16bit(engine, lambda entries, order: _Collect(order), exclude_frozen_parameters,
+                         "the consolidated state dict: rank 0 could not hold it")
+    return sink.state_dict() if sink is not None else None
+
+
+def _gather_16bit(engine, open_sink, exclude_frozen_parameters: bool, what: str):
+    """Every unit gathered in the compute dtype, one at a time, its parameters written by rank 0
+    into `open_sink(entries, order)`'s sink, then the persistent buffers. Returns the closed sink
+    on rank 0, None elsewhere; a failure on rank 0 is raised on every rank."""
     rank, state, module = engine.rank, engine.state, engine.module
     mp = engine.config.mixed_precision
     layouts = [lay for lay in engine.layouts if lay.trainable or not exclude_frozen_parameters]
@@ -199,15 +240,12 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
                 for slot in lay.slots}
     declared.update({fqn: Entry(fqn, b.dtype, tuple(b.shape)) for fqn, b in buffers.items()})
     order = [fqn for fqn, _, _ in fmt.model_tensors(module, engine.layouts) if fqn in declared]  # the model's order
-    path = os.path.join(save_dir, save_filename)
 
     failure: Optional[BaseException] = None
     sink = None
     if rank == 0:
         try:
-            os.makedirs(save_dir, exist_ok=True)
-            sink = (SafetensorsWriter(path, [declared[f] for f in order], _HF_METADATA)
-                    if save_filename.endswith(".safetensors") else _TorchSave(path, order))
+            sink = open_sink([declared[f] for f in order], order)
         except Exception as e:
             failure = e
     tiled: dict[str, torch.Tensor] = {}  # a tiled parameter assembled from its tiles, written when whole
@@ -236,5 +274,5 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     if failure is not None:
         raise failure
     if errors[0] is not None:
-        raise RuntimeError(f"[rank {rank}] save_16bit_model: rank 0 could not write {path} ({errors[0]})")
-    return path if rank == 0 else None
+        raise RuntimeError(f"[rank {rank}] {what} ({errors[0]})")
+    return sink
