@@ -265,10 +265,11 @@ KEYS: dict[str, Key] = {
     "zero_optimization.stage3_max_reuse_distance": _used("0: every unit is gathered again for the backward "
                                                          "(Prefetch(keep_for_backward=False)); > 0: kept where "
                                                          "the prefetch budget allows"),
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _none("engine.full_state_dict() gathers the "
-                                                                         "full parameters; export is the "
-                                                                         "checkpoint issue"),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _none("(deprecated) as "
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _used(
+        "engine.zero_gather_16bit_weights_on_model_save() answers it, as DeepSpeed's engine does: Hugging Face's "
+        "Trainer and accelerate save the 16-bit weights when true, a checkpoint when false. fxzero's own "
+        "save_16bit_model() and engine.full_state_dict() gather in either case"),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _used("(deprecated) as "
                                                                         "stage3_gather_16bit_weights_on_model_save"),
     "zero_optimization.stage3_module_granularity_threshold": _none("fxzero's units are its UnitsPolicy's"),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _off("fxzero gathers parameters with all-gathers"),

@@ -720,8 +720,11 @@ class Engine:
         if self.config.deepspeed_source is None:
             return True
         zero = self.config.get("zero_optimization") or {}
-        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
-                             zero.get("stage3_gather_fp16_weights_on_model_save", False)))
+        for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                    "stage3_gather_fp16_weights_on_model_save"):  # (DeepSpeed's name, its alias, the deprecated one)
+            if key in zero:
+                return bool(zero[key])
+        return False
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> Optional[dict[str, torch.Tensor]]:
