@@ -61,6 +61,11 @@ NAMES: dict[str, dict[str, str]] = {
         "get_fp32_state_dict_from_zero_checkpoint": "fxzero.utils:get_fp32_state_dict_from_zero_checkpoint",
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},
     "git_version_info": {"version": "fxzero:__version__", "torch_info": "fxzero.accelerator:TORCH_INFO"},
+    "checkpoint.utils": {"clone_tensors_for_torch_save": "fxzero.utils:clone_tensors_for_torch_save"},
+    # DeepSpeed's optimizer classes: their options read into fxzero's policies (runtime/deepspeed_optimizers.py)
+    "ops.adam": {"DeepSpeedCPUAdam": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPUAdam",
+                 "FusedAdam": "fxzero.runtime.deepspeed_optimizers:FusedAdam"},
+    "ops.adagrad": {"DeepSpeedCPUAdagrad": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPUAdagrad"},
     # random layer-token drop (docs/random_ltd.md): the layers route in fxzero's programs
     "runtime.data_pipeline.data_routing.helper": {
         "convert_to_random_ltd": "fxzero.runtime.random_ltd.helper:convert_to_random_ltd",

@@ -28,6 +28,7 @@ from fxzero.config import OPTIMIZERS, Adagrad, Adam, AdamW, Config, OptimizerPol
 from fxzero.config.notices import warn_ineffective
 from fxzero.runtime.device import process_group_backend
 from fxzero.runtime.dataloader import ShardedDataLoader
+from fxzero.runtime.deepspeed_optimizers import DeepSpeedOptimizerObject
 from fxzero.runtime.engine import Engine
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
@@ -130,6 +131,8 @@ def _from_torch_optimizer(optimizer: torch.optim.Optimizer) -> tuple[OptimizerPo
     """
     name = type(optimizer).__name__
     cls = _POLICY_OF_TORCH.get(type(optimizer))
+    if isinstance(optimizer, DeepSpeedOptimizerObject):  # (DeepSpeed's own classes: options to read, as torch's)
+        cls = optimizer.policy_class()
     runs = ", ".join(f"torch.optim.{c.TORCH}" for c in OPTIMIZERS if c.TORCH is not None)
     if cls is None and name in _LAMB_OBJECTS:
         raise TypeError(f"optimizer is a {name}: fxzero runs LAMB as DeepSpeed's FusedLamb computes it, each "

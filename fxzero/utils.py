@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -25,7 +25,8 @@ from fxzero.runtime.checkpoint.reader import CheckpointReader
 from fxzero.runtime.comm import Pending
 from fxzero.runtime.user_module import UserModule, binding_of
 
-__all__ = ["RepeatingLoader", "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+__all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint",
            "log_dist", "logger",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
@@ -267,3 +268,18 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def clone_tensors_for_torch_save(item: Any, device: Union[str, torch.device] = "cpu") -> Any:
+    """DeepSpeed's `deepspeed.checkpoint.utils.clone_tensors_for_torch_save`: `item` (a tensor, or
+    lists, tuples and dicts of them) with every tensor a detached copy on `device`, so that
+    `torch.save` writes each tensor's own values, not the flat buffer it views (accelerate saves a
+    ZeRO-1/2 model's state dict through it). Anything else is returned as it is."""
+    if isinstance(item, torch.Tensor):
+        device = torch.device(device)
+        return item.detach().clone() if item.device == device else item.detach().to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+    return item

@@ -259,10 +259,10 @@ class GatheredParameters:
             if found is None:
                 if p.is_meta:
                     raise RuntimeError(
-                        "GatheredParameters: this parameter is on the meta device and no fxzero engine holds it yet "
-                        "(a model built under zero.Init gets its values at fxzero.initialize, from its own init "
-                        "code replayed). Initialize it in the module's reset_parameters() or the model's "
-                        "_init_weights(module), or gather it after fxzero.initialize")
+                        "GatheredParameters: this parameter is on the meta device, no fxzero engine holds it and it "
+                        "was not built under fxzero.zero.Init, so it has no values to gather. Build the model under "
+                        "zero.Init (its own init then gives them), give it values first "
+                        "(module.load_state_dict(state, assign=True)), or gather it after fxzero.initialize")
                 continue
             binding, fqn = found
             by_binding.setdefault(id(binding), (binding, []))[1].append(fqn)

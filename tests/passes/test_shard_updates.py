@@ -301,3 +301,28 @@ def test_a_fused_or_foreach_client_optimizer_updates_as_torch_does(cls):
         for step, g in enumerate(grads, start=1):  # two ranges of one shard, cut mid-parameter
             optim_step(policy, param, g.clone(), states, step, groups, [(0, 337, 0), (337, 1000, 0)])
         assert torch.equal(param, want), how
+
+
+def test_deepspeeds_optimizer_objects_are_read_as_the_policies_they_name():
+    """`deepspeed.ops.adam.DeepSpeedCPUAdam` (accelerate builds it from Trainer's optimizer when the
+    config offloads the optimizer states), `FusedAdam` and `DeepSpeedCPUAdagrad`: DeepSpeed's
+    defaults and modes, read into fxzero's policies; their own step() names engine.step()."""
+    from fxzero.deepspeed_alias import install
+
+    install()
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    model = nn.Linear(3, 2)
+    groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
+    policy, got = _from_torch_optimizer(DeepSpeedCPUAdam(groups, lr=2e-3, weight_decay=0.1))
+    assert policy == fxzero.AdamW(lr=2e-3, weight_decay=0.1, eps=1e-8, betas=(0.9, 0.999))
+    assert [g.get("weight_decay") for g in got] == [None, 0.0]  # (the group that differs from the default says so)
+    assert _from_torch_optimizer(DeepSpeedCPUAdam(model.parameters(), adamw_mode=False))[0] == fxzero.Adam(
+        weight_decay=0.0)
+    assert _from_torch_optimizer(FusedAdam(model.parameters(), bias_correction=False))[0] == fxzero.AdamW(
+        weight_decay=0.0, bias_correction=False)
+    assert _from_torch_optimizer(DeepSpeedCPUAdagrad(model.parameters(), lr=0.1))[0] == fxzero.Adagrad(lr=0.1)
+    with pytest.raises(RuntimeError, match=r"DeepSpeedCPUAdam.step\(\): under fxzero this object holds the options .* "
+                                           r"call engine.step\(\)"):
+        DeepSpeedCPUAdam(model.parameters()).step()

@@ -1,0 +1,90 @@
+"""Hugging Face's Trainer with `--deepspeed ds.json`, unchanged under `fxzero run`, trains as under DeepSpeed 0.19.8.
+
+tests/hf_trainer/train_clm.py is a Trainer script as its users write it (HfArgumentParser over
+TrainingArguments; accelerate drives the engine: `set_gradient_accumulation_boundary`,
+`backward(loss, scale_wrt_gas=False)`, `step()` at the boundary, `save_model`, the checkpoint and
+its resume). tools/hf_trainer.py runs it on 2 CPU ranks under DeepSpeed on its CPU accelerator
+and records rank 0's Trainer log and the fingerprint of the model `save_model` wrote
+(tests/hf_trainer/deepspeed_reference.json); here it runs under `fxzero run` and is compared:
+
+- ZeRO-3 with the optimizer and schedule in the config, the 16-bit weights gathered at save;
+- ZeRO-2 with Trainer's own optimizer (torch's fused AdamW, weight decay in one group), its linear
+  schedule and two micro-steps per update, the module's state dict saved;
+- ZeRO-3 from `from_pretrained` (built in zero.Init, the checkpoint loaded through
+  GatheredParameters on rank 0), a checkpoint at step 2, and Trainer's resume from it.
+
+Losses within 1e-5 of DeepSpeed's (they have been equal to the last bit), gradient norms and the
+saved weights' sums within 1e-5 relative; the saved weights are checked to have moved from the
+initial ones, so an untrained model saved cannot pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import hf_trainer  # noqa: E402  (tools/hf_trainer.py: the runs, their launch and the fingerprint)
+
+pytestmark = pytest.mark.timeout(900)
+
+with open(hf_trainer.REFERENCE) as _f:
+    REFERENCE = json.load(_f)["runs"]
+
+
+def _close(got: float, want: float, rel: float) -> bool:
+    return abs(got - want) <= rel * max(abs(want), 1e-12)
+
+
+def _compare(name: str, got: dict) -> None:
+    want = REFERENCE[name]
+    assert [h["step"] for h in got["log"]] == [h["step"] for h in want["log"]], name
+    for g, w in zip(got["log"], want["log"]):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5, (name, g, w)
+        assert _close(g["grad_norm"], w["grad_norm"], 1e-5), (name, g, w)
+        assert _close(g["learning_rate"], w["learning_rate"], 1e-9), (name, g, w)
+    assert len({h["loss"] for h in want["log"]}) >= 3, "the reference is a real run (its losses vary step to step)"
+    if "fingerprint" in want:
+        assert got["fingerprint"].keys() == want["fingerprint"].keys()
+        for key, pair in want["fingerprint"].items():
+            assert all(_close(g, w, 1e-5) for g, w in zip(got["fingerprint"][key], pair)), (name, key)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    return hf_trainer.save_pretrained_model(str(tmp_path_factory.mktemp("pretrained")))
+
+
+def _initial_fingerprint(tmp_path) -> dict:
+    """The fingerprint of the model train_clm.py builds from its config, untrained."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, hf_trainer.HERE)
+    from train_clm import small_llama
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(small_llama()).save_pretrained(str(tmp_path / "initial"))
+    return hf_trainer.fingerprint(str(tmp_path / "initial"))
+
+
+@pytest.mark.parametrize("name", ["zero3-config-optimizer", "zero2-trainer-optimizer-accumulation"])
+def test_trainer_trains_and_saves_the_model_as_deepspeed(name, tmp_path, pretrained):
+    got = hf_trainer.launch("fxzero", name, str(tmp_path), sys.executable, pretrained)
+    _compare(name, got)
+    initial = _initial_fingerprint(tmp_path)
+    moved = max(abs(a - b) / abs(b) for k in initial for a, b in zip(got["fingerprint"][k], initial[k]) if b)
+    assert moved > 1e-3, "the saved model is the trained one, not the initial one"
+
+
+def test_from_pretrained_at_zero3_checkpoints_and_resumes_as_deepspeed(tmp_path, pretrained):
+    first = hf_trainer.launch("fxzero", "zero3-pretrained-checkpoint", str(tmp_path), sys.executable, pretrained)
+    _compare("zero3-pretrained-checkpoint", first)  # (step 1's loss: the pretrained weights were loaded)
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-2" / "global_step2")  # where Trainer's resume looks
+    resumed = hf_trainer.launch("fxzero", "zero3-pretrained-resume", str(tmp_path), sys.executable, pretrained)
+    _compare("zero3-pretrained-resume", resumed)
+    assert resumed["log"][2:] == first["log"][2:], "steps 3 and 4 after the resume are the uninterrupted run's"

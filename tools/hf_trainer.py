@@ -1,0 +1,162 @@
+"""Hugging Face's Trainer with a DeepSpeed config, under DeepSpeed 0.19.8 and, unchanged, under `fxzero run`.
+
+    python tools/hf_trainer.py --deepspeed-python .venv-bench/bin/python [--runs zero2-...] \
+        [--write tests/hf_trainer/deepspeed_reference.json]
+
+Each run starts tests/hf_trainer/train_clm.py (a Trainer script written as its users write it,
+`--deepspeed ds.json`) on 2 CPU ranks with the same arguments, once with DeepSpeed on its CPU
+accelerator (`DS_ACCELERATOR=cpu`, launched by torchrun) and once with `fxzero run`. Prints one
+JSON object per run: each system's Trainer log (loss, grad_norm, learning_rate per step), the
+fingerprint of the model `trainer.save_model` wrote (each tensor's sum and sum of squares), the
+largest differences, and each system's `train_runtime`. With `--write`, DeepSpeed's logs and
+fingerprints are stored as the reference tests/dist/test_hf_trainer.py compares fxzero against
+(the test needs no DeepSpeed installed). `.venv-bench` comes from `bash scripts/bench-env.sh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "tests", "hf_trainer")
+SCRIPT = os.path.join(HERE, "train_clm.py")
+REFERENCE = os.path.join(HERE, "deepspeed_reference.json")
+
+_COMMON = ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--logging_steps", "1",
+           "--report_to", "none", "--seed", "0", "--output_dir", "{workdir}/out"]
+
+RUNS: dict[str, dict] = {
+    # The config names the optimizer and schedule (DeepSpeed builds them from Trainer's values);
+    # save_model gathers the 16-bit weights.
+    "zero3-config-optimizer": {
+        "config": "ds_zero3.json", "save_final": True,
+        "args": [*_COMMON, "--max_steps", "5", "--warmup_steps", "2", "--save_strategy", "no"]},
+    # No optimizer in the config: Trainer's own (torch.optim.AdamW(fused=True), weight decay in
+    # one param group and not the other) and its linear schedule, two micro-steps per update,
+    # clipping at Trainer's 1.0; save_model takes the module's state dict.
+    "zero2-trainer-optimizer-accumulation": {
+        "config": "ds_zero2.json", "save_final": True,
+        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "2", "--weight_decay", "0.1",
+                 "--gradient_accumulation_steps", "2", "--save_strategy", "no"]},
+    # from_pretrained after the TrainingArguments: at ZeRO-3 the model is built in zero.Init and
+    # the checkpoint loaded on rank 0 through GatheredParameters; a checkpoint every 2 steps.
+    "zero3-pretrained-checkpoint": {
+        "config": "ds_zero3_checkpoint.json", "pretrained": True,
+        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "steps",
+                 "--save_steps", "2"]},
+    # ... and the same from its step-2 checkpoint: Trainer's resume (the engine's load_checkpoint).
+    "zero3-pretrained-resume": {
+        "config": "ds_zero3_checkpoint.json", "pretrained": True, "resume_from": "zero3-pretrained-checkpoint",
+        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
+                 "--resume_from_checkpoint", "{workdir}/out/checkpoint-2"]},
+}
+"""name -> {"config" (in tests/hf_trainer/), "args", "save_final", "pretrained", "resume_from"}."""
+
+
+def save_pretrained_model(path: str) -> str:
+    """The small Llama `--model_name_or_path` loads, written once (its weights from seed 1)."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch
+        from transformers import LlamaForCausalLM
+
+        sys.path.insert(0, HERE)
+        from train_clm import small_llama
+
+        torch.manual_seed(1)
+        LlamaForCausalLM(small_llama()).save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fingerprint(path: str) -> dict[str, list[float]]:
+    """Each tensor of a saved model: [sum, sum of squares], in float64."""
+    from safetensors.torch import load_file
+
+    return {k: [v.double().sum().item(), v.double().square().sum().item()]
+            for k, v in sorted(load_file(os.path.join(path, "model.safetensors")).items())}
+
+
+def launch(system: str, name: str, workdir: str, python: str, pretrained: Optional[str] = None) -> dict:
+    """Run `name` under `system` ("deepspeed" or "fxzero") in `workdir`: rank 0's Trainer log, its
+    runtime and, where the run saves its final model, the model's fingerprint."""
+    run = RUNS[name]
+    args = [a.format(workdir=workdir) for a in run["args"]]
+    args += ["--deepspeed", os.path.join(HERE, run["config"])]
+    if run.get("pretrained"):
+        args += ["--model_name_or_path", pretrained]
+    if run.get("save_final"):
+        args += ["--save_final", os.path.join(workdir, "final")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    launcher = ["-m", "fxzero.cli", "run", "--num_gpus=2"] if system == "fxzero" else \
+        ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+    proc = subprocess.run([python, *launcher, f"--master_port={free_port()}", SCRIPT, *args], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TRAINER_LOG ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{system} {name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-6000:]}")
+    out = json.loads(lines[-1][len("TRAINER_LOG "):])
+    if run.get("save_final"):
+        out["fingerprint"] = fingerprint(os.path.join(workdir, "final"))
+    return out
+
+
+def run_both(names: list[str], deepspeed_python: str, fxzero_python: str) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        pretrained = save_pretrained_model(os.path.join(tmp, "pretrained"))
+        for system, python in (("deepspeed", deepspeed_python), ("fxzero", fxzero_python)):
+            for name in names:
+                workdir = os.path.join(tmp, system, RUNS[name].get("resume_from", name))
+                os.makedirs(workdir, exist_ok=True)
+                results.setdefault(name, {})[system] = launch(system, name, workdir, python, pretrained)
+    return results
+
+
+def differences(a: dict, b: dict) -> dict[str, float]:
+    """The largest differences between two runs' logs (and fingerprints, relative)."""
+    out = {key: max(abs(x[key] - y[key]) for x, y in zip(a["log"], b["log"])) for key in ("loss", "grad_norm",
+                                                                                       "learning_rate")}
+    if "fingerprint" in a:
+        out["fingerprint_relative"] = max(abs(x - y) / max(abs(x), 1e-30) for k in a["fingerprint"]
+                                          for x, y in zip(a["fingerprint"][k], b["fingerprint"][k]))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deepspeed-python", required=True, help="a Python with DeepSpeed 0.19.8 and accelerate")
+    parser.add_argument("--fxzero-python", default=sys.executable)  # (absolute: the runs start in their own folders)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--write", help="store DeepSpeed's results here as the test's reference")
+    opts = parser.parse_args()
+    names = opts.runs.split(",")
+    results = run_both(names, os.path.abspath(opts.deepspeed_python), os.path.abspath(opts.fxzero_python))
+    for name in names:
+        ds, fx = results[name]["deepspeed"], results[name]["fxzero"]
+        print(json.dumps({"run": name, "steps": len(ds["log"]), "max_difference": differences(ds, fx),
+                          "train_runtime_s": {"deepspeed": ds["train_runtime"], "fxzero": fx["train_runtime"]},
+                          "deepspeed": ds, "fxzero": fx}))
+    if opts.write:
+        reference = {"deepspeed": "0.19.8", "runs": {name: {k: v for k, v in results[name]["deepspeed"].items()
+                                                            if k != "train_runtime"} for name in names}}
+        with open(opts.write, "w") as f:
+            json.dump(reference, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
