@@ -45,6 +45,13 @@ RUNS: dict[str, dict] = {
         "config": "ds_zero2.json", "save_final": True,
         "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "2", "--weight_decay", "0.1",
                  "--gradient_accumulation_steps", "2", "--save_strategy", "no"]},
+    # Optimizer states and parameters offloaded to host memory, no optimizer in the config:
+    # accelerate turns Trainer's AdamW into DeepSpeedCPUAdam; Trainer's gradient checkpointing
+    # (`model.gradient_checkpointing_enable()`) on.
+    "zero3-offload-checkpointing": {
+        "config": "ds_zero3_offload.json", "save_final": True,
+        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--weight_decay", "0.01",
+                 "--gradient_checkpointing", "--save_strategy", "no"]},
     # from_pretrained after the TrainingArguments: at ZeRO-3 the model is built in zero.Init and
     # the checkpoint loaded on rank 0 through GatheredParameters; a checkpoint every 2 steps.
     "zero3-pretrained-checkpoint": {

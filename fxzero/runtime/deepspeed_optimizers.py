@@ -22,8 +22,16 @@ from fxzero.config.optimizers import Adagrad, Adam, AdamW, OptimizerPolicy
 __all__ = ["DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedOptimizerObject", "FusedAdam"]
 
 
+_TORCH_ONLY = ("decoupled_weight_decay", "foreach", "fused", "maximize", "capturable", "differentiable")
+"""Options a torch optimizer's param groups carry that DeepSpeed's kernels never read: dropped from
+groups handed over from one (accelerate passes a torch AdamW's `param_groups`, each with them)."""
+
+
 class DeepSpeedOptimizerObject(torch.optim.Optimizer):
     """What the three share: options and param groups, no update of their own."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group({k: v for k, v in param_group.items() if k not in _TORCH_ONLY})
 
     def policy_class(self) -> type[OptimizerPolicy]:
         raise NotImplementedError

@@ -323,6 +323,9 @@ def test_deepspeeds_optimizer_objects_are_read_as_the_policies_they_name():
     assert _from_torch_optimizer(FusedAdam(model.parameters(), bias_correction=False))[0] == fxzero.AdamW(
         weight_decay=0.0, bias_correction=False)
     assert _from_torch_optimizer(DeepSpeedCPUAdagrad(model.parameters(), lr=0.1))[0] == fxzero.Adagrad(lr=0.1)
+    trainers = torch.optim.AdamW(groups, lr=2e-3, fused=True)  # (accelerate hands over its groups, torch's keys in them)
+    policy, got = _from_torch_optimizer(DeepSpeedCPUAdam(trainers.param_groups, lr=2e-3, weight_decay=0.1))
+    assert policy == fxzero.AdamW(lr=2e-3, weight_decay=0.1) and [g.get("weight_decay") for g in got] == [None, 0.0]
     with pytest.raises(RuntimeError, match=r"DeepSpeedCPUAdam.step\(\): under fxzero this object holds the options .* "
                                            r"call engine.step\(\)"):
         DeepSpeedCPUAdam(model.parameters()).step()
