@@ -6,7 +6,8 @@
 Each run starts tests/hf_trainer/train_clm.py (a Trainer script written as its users write it,
 `--deepspeed ds.json`) on 2 CPU ranks with the same arguments, once with DeepSpeed on its CPU
 accelerator (`DS_ACCELERATOR=cpu`, launched by torchrun) and once with `fxzero run`. Prints one
-JSON object per run: each system's Trainer log (loss, grad_norm, learning_rate per step), the
+JSON object per run: each system's Trainer log (loss, grad_norm, learning_rate per step, and
+the evaluation loss where the run evaluates), the
 fingerprint of the model `trainer.save_model` wrote (each tensor's sum and sum of squares), the
 largest differences, and each system's `train_runtime`. With `--write`, DeepSpeed's logs and
 fingerprints are stored as the reference tests/dist/test_hf_trainer.py compares fxzero against
@@ -34,10 +35,11 @@ _COMMON = ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--l
 
 RUNS: dict[str, dict] = {
     # The config names the optimizer and schedule (DeepSpeed builds them from Trainer's values);
-    # save_model gathers the 16-bit weights.
+    # an evaluation every 2 steps; save_model gathers the 16-bit weights.
     "zero3-config-optimizer": {
         "config": "ds_zero3.json", "save_final": True,
-        "args": [*_COMMON, "--max_steps", "5", "--warmup_steps", "2", "--save_strategy", "no"]},
+        "args": [*_COMMON, "--max_steps", "5", "--warmup_steps", "2", "--save_strategy", "no", "--eval_strategy",
+                 "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]},
     # No optimizer in the config: Trainer's own (torch.optim.AdamW(fused=True), weight decay in
     # one param group and not the other) and its linear schedule, two micro-steps per update,
     # clipping at Trainer's 1.0; save_model takes the module's state dict.
@@ -136,6 +138,8 @@ def differences(a: dict, b: dict) -> dict[str, float]:
     """The largest differences between two runs' logs (and fingerprints, relative)."""
     out = {key: max(abs(x[key] - y[key]) for x, y in zip(a["log"], b["log"])) for key in ("loss", "grad_norm",
                                                                                        "learning_rate")}
+    if a["eval"]:
+        out["eval_loss"] = max(abs(x["eval_loss"] - y["eval_loss"]) for x, y in zip(a["eval"], b["eval"]))
     if "fingerprint" in a:
         out["fingerprint_relative"] = max(abs(x - y) / max(abs(x), 1e-30) for k in a["fingerprint"]
                                           for x, y in zip(a["fingerprint"][k], b["fingerprint"][k]))

@@ -7,7 +7,8 @@ its resume). tools/hf_trainer.py runs it on 2 CPU ranks under DeepSpeed on its C
 and records rank 0's Trainer log and the fingerprint of the model `save_model` wrote
 (tests/hf_trainer/deepspeed_reference.json); here it runs under `fxzero run` and is compared:
 
-- ZeRO-3 with the optimizer and schedule in the config, the 16-bit weights gathered at save;
+- ZeRO-3 with the optimizer and schedule in the config, Trainer's evaluation every 2 steps (the
+  engine's forward under no_grad, in eval mode), the 16-bit weights gathered at save;
 - ZeRO-2 with Trainer's own optimizer (torch's fused AdamW, weight decay in one group), its linear
   schedule and two micro-steps per update, the module's state dict saved;
 - ZeRO-3 with optimizer states and parameters offloaded to host memory, Trainer's optimizer (which
@@ -51,6 +52,8 @@ def _compare(name: str, got: dict) -> None:
         assert _close(g["grad_norm"], w["grad_norm"], 1e-5), (name, g, w)
         assert _close(g["learning_rate"], w["learning_rate"], 1e-9), (name, g, w)
     assert len({h["loss"] for h in want["log"]}) >= 3, "the reference is a real run (its losses vary step to step)"
+    assert [h["step"] for h in got["eval"]] == [h["step"] for h in want["eval"]], name
+    assert all(abs(g["eval_loss"] - w["eval_loss"]) <= 1e-5 for g, w in zip(got["eval"], want["eval"])), name
     if "fingerprint" in want:
         assert got["fingerprint"].keys() == want["fingerprint"].keys()
         for key, pair in want["fingerprint"].items():

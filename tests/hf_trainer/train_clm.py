@@ -42,14 +42,14 @@ def small_llama() -> LlamaConfig:
 
 
 class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, samples: int, seq_len: int, vocab: int) -> None:
-        self.samples, self.seq_len, self.vocab = samples, seq_len, vocab
+    def __init__(self, samples: int, seq_len: int, vocab: int, first: int = 0) -> None:
+        self.samples, self.seq_len, self.vocab, self.first = samples, seq_len, vocab, first
 
     def __len__(self) -> int:
         return self.samples
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=torch.Generator().manual_seed(i))
+        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=torch.Generator().manual_seed(self.first + i))
         return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -68,15 +68,17 @@ def main() -> None:
     else:
         model = LlamaForCausalLM(small_llama())
     data = RandomTokens(model_args.samples, model_args.seq_len, model.config.vocab_size)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    held_out = RandomTokens(8, model_args.seq_len, model.config.vocab_size, first=model_args.samples)
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=held_out)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if model_args.save_final:
         trainer.save_model(model_args.save_final)
     if trainer.is_world_process_zero():
         keys = ("step", "loss", "grad_norm", "learning_rate")
         log = [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+        evals = [{"step": h["step"], "eval_loss": h["eval_loss"]} for h in trainer.state.log_history if "eval_loss" in h]
         runtime = [h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h]
-        print("TRAINER_LOG " + json.dumps({"log": log, "train_runtime": runtime[-1]}), flush=True)
+        print("TRAINER_LOG " + json.dumps({"log": log, "eval": evals, "train_runtime": runtime[-1]}), flush=True)
 
 
 if __name__ == "__main__":
