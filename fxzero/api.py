@@ -118,13 +118,13 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
                          f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
                          "backward: drop step_in_backward, or make the batch sizes imply one micro-step")
     record = getattr(model, "_fxzero_zero_init", None)  # built under fxzero.zero.Init ([Note: zero.Init])
-    if record is not None and record.materialized:  # ([Note: gathering before initialize]): built whole since
-        record = None
+    holder = record.held_by if record is not None and state_dict is None else None  # (whole on one rank since a
+    # gather before initialize: [Note: gathering before initialize] in fxzero/zero.py)
     seeded = state_dict is None and record is None and any(p.is_meta for p in model.parameters())
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
     warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)
-    if state_dict is None and not seeded and comm.world_size > 1:
+    if state_dict is None and not seeded and record is None and comm.world_size > 1:
         broadcast_initial_values(model)  # every rank starts from rank 0's values
     cost_model = cost.resolve(config.cost_model, comm, config.link_emulation)
     if isinstance(config.cost_model, str) and config.cost_model == "measure":
@@ -147,7 +147,7 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
             spilled = frozenset(lay.name for lay in layouts if lay.name not in whole)
     params, buffers = materialize(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict,
-        seed=record.rng_state if record is not None else config.seed,
+        seed=record.rng_state if record is not None else config.seed, holder=holder,
         spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision), device=device,
     )
     mp = config.mixed_precision

@@ -68,7 +68,8 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
     collectives skip it.
 
     Args:
-        dist_backend: "gloo" or "nccl"; None: nccl with CUDA, else gloo.
+        dist_backend: "gloo" or "nccl" (with CUDA, NCCL for device tensors and gloo for host
+            tensors); None: that with CUDA, else gloo.
         timeout: as `torch.distributed.init_process_group`'s.
         init_method: as `torch.distributed.init_process_group`'s.
         rank: as `torch.distributed.init_process_group`'s; default: the launcher's RANK.
@@ -84,6 +85,8 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
         return
     world = world_size if world_size > 0 else int(os.environ.get("WORLD_SIZE", "1"))
     backend = dist_backend or process_group_backend()  # (NCCL with gloo beside it on CUDA ranks)
+    if backend == "nccl" and torch.cuda.is_available():  # (accelerate names "nccl": gloo beside it carries host
+        backend = process_group_backend()  # tensors, such as a model gathered before initialize, in host memory)
     if world <= 1 and init_method is None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return

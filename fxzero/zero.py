@@ -24,13 +24,15 @@ Code written for DeepSpeed gathers a model built under `zero.Init` before `initi
 Hugging Face's `from_pretrained` at ZeRO-3 builds the model in the block, then runs its init and
 loads the checkpoint's values on rank 0 inside `GatheredParameters(params, modifier_rank=0)`,
 module by module. DeepSpeed has each parameter partitioned by then; fxzero has no shards before
-`initialize` (their layout is the compile's). So the first gather of such a model materializes
-it whole on every rank, from its own init replayed (the values `initialize` would have given),
-and from then on it is a model built eagerly: the modifier's values are broadcast to every rank
-at the end of each block (with `modifier_rank=None`, changes are dropped), and `initialize`
-shards it from rank 0's values. The cost is DeepSpeed's saving: each rank holds the whole model
-in memory from the first gather until `initialize` (Hugging Face's loading reads the whole
-checkpoint on rank 0 in any case).
+`initialize` (their layout is the compile's). So the first gather makes one rank the model's
+holder (the block's modifier, else rank 0), which builds it whole from its own init replayed
+(the values `initialize` would have given); the other ranks keep their meta placeholders. In
+each block every rank holds the gathered parameters whole, broadcast from the holder; at its
+end the modifier's values go to the holder (with `modifier_rank=None` changes are dropped) and
+the other ranks drop theirs. `initialize` then shards the model from the holder, one parameter
+at a time (`fxzero.runtime.materialize`). Memory until then: the whole model on the holder
+(Hugging Face's loading reads the whole checkpoint on rank 0 in any case), the gathered
+parameters on the others, as under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class InitRecord:
     """The global CPU RNG state when the block began: its init is replayed from here."""
     config: Any = None
     """`config_dict_or_path` (or `config`): the DeepSpeed config, used when initialize gets none."""
-    materialized: bool = False
-    """Gathered before initialize, and so built whole on every rank since ([Note: gathering
-    before initialize]): `initialize` shards it as a model built eagerly."""
+    held_by: Optional[int] = None
+    """The rank that holds the model whole since its first gather before initialize ([Note:
+    gathering before initialize]); None: never gathered, every rank's parameters are meta."""
 
 
 _ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -199,23 +201,52 @@ def _built_under_init(param: torch.Tensor) -> Optional[nn.Module]:
     return None
 
 
+def _swap_in(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param` (the same object) now holds `value`'s storage, on its device: a meta placeholder
+    made whole, or a whole one made a placeholder again. Its attributes stay (the swap moves
+    them too: Hugging Face's `_is_hf_initialized` flags must stay put)."""
+    other = nn.Parameter(value, requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, other)
+    param.__dict__.update(other.__dict__)
+
+
 @torch.no_grad()
 def _materialize(root: nn.Module) -> None:
     """Give a model built under `Init` its values whole, in place, on this rank: its own init
     replayed from where the block began ([Note: gathering before initialize]). Parameters keep
-    their identity (their storage is swapped in); the global RNG is left where it is."""
-    record = init_record(root)
-    values = list(initial_values(root, record.rng_state))  # (the replay puts the model back as it found it)
+    their identity; the global RNG is left where it is."""
+    values = list(initial_values(root, init_record(root).rng_state))  # (the replay puts the model back as it was)
     for what, fqn, value in values:
         if what == "param":
-            param = root.get_parameter(fqn)
-            whole = nn.Parameter(value, requires_grad=param.requires_grad)
-            torch.utils.swap_tensors(param, whole)
-            param.__dict__.update(whole.__dict__)  # (the swap moves attributes too: Hugging Face's flags stay put)
+            _swap_in(root.get_parameter(fqn), value)
         else:
             owner, _, name = fqn.rpartition(".")
             root.get_submodule(owner)._buffers[name] = value
-    setattr(root, _RECORD, dataclasses.replace(record, materialized=True))
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _holder(root: nn.Module, modifier_rank: Optional[int]) -> int:
+    """The rank holding `root` whole, chosen at its first gather (the modifier, else rank 0),
+    which builds it then ([Note: gathering before initialize])."""
+    record = init_record(root)
+    if record.held_by is None:
+        rank, world = _rank_and_world()
+        holder = modifier_rank if modifier_rank is not None else 0
+        if not 0 <= holder < world:
+            raise ValueError(f"[rank {rank}] GatheredParameters(modifier_rank={modifier_rank}): ranks are "
+                             f"0..{world - 1}")
+        if rank == holder:
+            _materialize(root)
+        record = dataclasses.replace(record, held_by=holder)
+        setattr(root, _RECORD, record)
+    return record.held_by
 
 
 def _flat(params: Any) -> list[torch.Tensor]:
@@ -247,14 +278,14 @@ class GatheredParameters:
 
     def __enter__(self) -> "GatheredParameters":
         by_binding: dict[int, tuple[Any, list[str]]] = {}
-        self._unsharded: list[torch.Tensor] = []  # of models built under Init, before initialize
+        unsharded: dict[int, list[torch.Tensor]] = {}  # of models built under Init, before initialize, by holder
         for p in self.params:
             found = binding_of(p)
             root = _built_under_init(p) if found is None else None
             if root is not None:  # ([Note: gathering before initialize])
-                if p.is_meta:
-                    _materialize(root)
-                self._unsharded.append(p)
+                group = unsharded.setdefault(_holder(root, self.modifier_rank), [])
+                if not any(p is q for q in group):
+                    group.append(p)
                 continue
             if found is None:
                 if p.is_meta:
@@ -272,8 +303,8 @@ class GatheredParameters:
                 raise ValueError(f"[rank {binding.comm.rank}] GatheredParameters(modifier_rank={self.modifier_rank})"
                                  f": ranks are 0..{binding.comm.world_size - 1}")
             stack.enter_context(binding.gathered(list(dict.fromkeys(fqns)), self.modifier_rank))
-        if self._unsharded:
-            stack.enter_context(_modified_by(list({id(p): p for p in self._unsharded}.values()), self.modifier_rank))
+        for holder, params in unsharded.items():
+            stack.enter_context(_whole_from_holder(params, holder, self.modifier_rank))
         self._stack = stack
         return self
 
@@ -285,22 +316,30 @@ class GatheredParameters:
 
 @contextlib.contextmanager
 @torch.no_grad()
-def _modified_by(params: list[torch.Tensor], modifier_rank: Optional[int]):
-    """GatheredParameters' end for whole parameters of a model not yet sharded: the modifier's
-    values broadcast to every rank (a collective), or, with no modifier, the values from before
-    the block put back."""
+def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: Optional[int]):
+    """GatheredParameters for parameters of a model not yet sharded ([Note: gathering before
+    initialize]): whole on every rank for the block, from the holder (a collective); at its end
+    the modifier's values to the holder, or, with no modifier, the holder's from before put back;
+    the other ranks' copies dropped."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank, world = _rank_and_world()
     if modifier_rank is not None and not 0 <= modifier_rank < world:
-        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): ranks are 0..{world - 1}")
-    before = [p.detach().clone() for p in params] if modifier_rank is None else None
+        raise ValueError(f"[rank {rank}] GatheredParameters(modifier_rank={modifier_rank}): ranks are 0..{world - 1}")
+    borrowed = [p for p in params if rank != holder and p.is_meta]
+    for p in borrowed:
+        _swap_in(p, torch.empty(p.shape, dtype=p.dtype))
+    for p in params if world > 1 else ():
+        dist.broadcast(p.data, src=holder)
+    before = [p.detach().clone() for p in params] if modifier_rank is None and rank == holder else None
     try:
         yield
     finally:
         if before is not None:
             for p, value in zip(params, before):
                 p.copy_(value)
-        elif world > 1:
+        elif modifier_rank is not None and modifier_rank != holder:
             for p in params:
                 dist.broadcast(p.data, src=modifier_rank)
+        for p in borrowed:
+            _swap_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))

@@ -107,6 +107,7 @@ def materialize(
     spill_to: Optional[Callable[[str, torch.Tensor], None]] = None,
     stats: Optional[dict] = None,
     device: torch.device = torch.device("cpu"),
+    holder: Optional[int] = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's flat parameter storage per unit, and the model's buffers (full), in `device`'s
     memory ([Note: buffer kinds] in `fxzero/runtime/device.py`); the values are computed on the
@@ -115,6 +116,9 @@ def materialize(
     Args:
         whole: units whose whole flat buffer this rank keeps (persistent units), rather than
             its shard.
+        holder: the rank whose model holds every value whole, the others' being meta (a model
+            built under `zero.Init` and gathered before initialize): each parameter and buffer is
+            broadcast from it, one at a time. A collective.
         spill, spill_to: units whose shard is handed to `spill_to(unit, shard)` as soon as it is
             complete (e.g. written to an NVMe tier) instead of returned.
         stats: if given and the model's own init runs, `stats["peak_bytes"]` is set to the
@@ -135,6 +139,19 @@ def materialize(
         for fqn in buffer_fqns:
             if fqn in state_dict:
                 buffers[fqn] = state_dict[fqn].detach().clone()
+    elif holder is not None:  # whole on one rank only ([Note: gathering before initialize] in fxzero/zero.py)
+        import torch.distributed as dist
+
+        def from_holder(t: torch.Tensor) -> torch.Tensor:  # (a collective: every rank, the same order)
+            value = t.detach() if rank == holder else torch.empty(t.shape, dtype=t.dtype)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(value, src=holder)
+            return value
+
+        for fqn, p in unique_parameters(model).items():
+            sink.put(fqn, from_holder(p))
+        for fqn, b in model.named_buffers():
+            buffers[fqn] = from_holder(b).clone()
     elif not any(p.is_meta for p in model.parameters()):
         for fqn, p in unique_parameters(model).items():
             sink.put(fqn, p)

@@ -208,6 +208,53 @@ def test_no_sync_accumulates_unreduced_and_the_next_backward_reduces(tmp_path):
         assert "inside engine.no_sync()" in r["step_inside"]
 
 
+def _gather_before_initialize(rank: int, world_size: int) -> dict:
+    """What from_pretrained at ZeRO-3 does: in zero.Init, then each module gathered with rank 0 as
+    modifier writing the checkpoint's values; one gather with rank 1 as modifier; one read."""
+    torch.manual_seed(3)
+    with fxzero.zero.Init(config_dict_or_path=DS):
+        model = Net()
+    out = {"meta_before": all(p.is_meta for p in model.parameters())}
+    for i, layer in enumerate(model.layers):
+        with torch.no_grad(), fxzero.zero.GatheredParameters(list(layer.parameters()), modifier_rank=0):
+            out.setdefault("whole_inside", []).append(not layer.weight.is_meta)
+            if i == 0:
+                out["init_seen"] = layer.weight.clone()  # (its own init, broadcast from the holder)
+            if rank == 0:
+                layer.weight.fill_(float(i + 1))
+                layer.bias.fill_(-1.0)
+    out["meta_after_on_rank"] = [p.is_meta for p in model.parameters()]
+    with torch.no_grad(), fxzero.zero.GatheredParameters(model.layers[1].weight, modifier_rank=1):
+        if rank == 1:
+            model.layers[1].weight[0].fill_(7.0)
+    with torch.no_grad(), fxzero.zero.GatheredParameters(model.layers[2].weight, modifier_rank=None):
+        out["read"] = model.layers[2].weight.clone()
+        model.layers[2].weight.zero_()  # (dropped)
+    engine, *_ = fxzero.initialize(model=model, config=DS)
+    out["full"] = engine.full_state_dict()
+    return out
+
+
+def test_gathering_before_initialize_keeps_the_model_whole_on_one_rank(tmp_path):
+    """[Note: gathering before initialize] in fxzero/zero.py, on 2 ranks: rank 0 holds the model
+    whole, rank 1 holds each gathered layer only inside its block, and initialize shards what
+    the modifiers wrote."""
+    torch.manual_seed(3)
+    eager = Net()
+    ranks = run_ranks(_gather_before_initialize, 2, timeout_s=240)
+    for rank, r in enumerate(ranks):
+        assert r["meta_before"] and r["whole_inside"] == [True, True, True]
+        assert torch.equal(r["init_seen"], eager.layers[0].weight)
+        assert r["meta_after_on_rank"] == [rank != 0] * 6
+        assert torch.equal(r["read"], torch.full((4, 16), 3.0))
+        full = r["full"]
+        want1 = torch.full((16, 16), 2.0)
+        want1[0] = 7.0
+        assert torch.equal(full["layers.0.weight"], torch.full((16, 8), 1.0))
+        assert torch.equal(full["layers.1.weight"], want1) and torch.equal(full["layers.2.weight"], torch.full((4, 16), 3.0))
+        assert all(torch.equal(full[f"layers.{i}.bias"], -torch.ones_like(full[f"layers.{i}.bias"])) for i in range(3))
+
+
 def test_the_deepspeed_alias_names_what_fxzero_lacks():
     import subprocess
     import sys
