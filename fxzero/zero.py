@@ -72,6 +72,8 @@ class InitRecord:
 
 _ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """The models built under `Init` (the roots of what a block constructed)."""
+_OPEN_BLOCKS: list["Init"] = []
+"""The `Init` blocks being executed (construction under way)."""
 
 
 def init_record(model: nn.Module) -> Optional[InitRecord]:
@@ -132,6 +134,8 @@ class Init:
         stack.enter_context(torch.device("meta"))
         stack.callback(nn.modules.module.register_module_parameter_registration_hook(on_param).remove)
         stack.callback(nn.modules.module.register_module_module_registration_hook(on_module).remove)
+        _OPEN_BLOCKS.append(self)
+        stack.callback(_OPEN_BLOCKS.remove, self)
         self._stack = stack
         return self
 
@@ -288,6 +292,12 @@ class GatheredParameters:
                     group.append(p)
                 continue
             if found is None:
+                if p.is_meta and _OPEN_BLOCKS:
+                    raise RuntimeError(
+                        "GatheredParameters inside a zero.Init block: fxzero builds the model on the meta device "
+                        "and gives it its values at the block's end (its own init replayed), so there is nothing "
+                        "to gather yet. Set the values in the module's reset_parameters() or the model's "
+                        "_init_weights(module), or gather them after the block")
                 if p.is_meta:
                     raise RuntimeError(
                         "GatheredParameters: this parameter is on the meta device, no fxzero engine holds it and it "

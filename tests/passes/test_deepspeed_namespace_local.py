@@ -96,6 +96,12 @@ def test_gathering_before_initialize_builds_the_model_whole_from_its_own_init():
     full = engine.full_state_dict()
     assert torch.equal(full["2.weight"], torch.full((2, 4), 0.5)) and torch.equal(full["0.weight"], eager[0].weight)
 
+    with pytest.raises(RuntimeError, match=r"GatheredParameters inside a zero.Init block: .* Set the values in the "
+                                           r"module's reset_parameters\(\)"):
+        with fxzero.zero.Init():
+            inner = nn.Linear(4, 4)
+            with fxzero.zero.GatheredParameters(inner.weight, modifier_rank=0):  # (DeepSpeed's tests do, in __init__)
+                pass
     with torch.device("meta"):
         bare = nn.Linear(4, 4)  # on the meta device without zero.Init: nothing gives it values
     with pytest.raises(RuntimeError, match=r"this parameter is on the meta device, no fxzero engine holds it and it "
