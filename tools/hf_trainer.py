@@ -4,7 +4,8 @@
         [--write tests/hf_trainer/deepspeed_reference.json]
 
 Each run starts tests/hf_trainer/train_clm.py (a Trainer script written as its users write it,
-`--deepspeed ds.json`) on 2 CPU ranks with the same arguments, once with DeepSpeed on its CPU
+`--deepspeed ds.json`) or train_accelerate.py (accelerate's own loop) on 2 CPU ranks with the same
+arguments, once with DeepSpeed on its CPU
 accelerator (`DS_ACCELERATOR=cpu`, launched by torchrun) and once with `fxzero run`. Prints one
 JSON object per run: each system's Trainer log (loss, grad_norm, learning_rate per step, and
 the evaluation loss where the run evaluates), the
@@ -27,32 +28,33 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "tests", "hf_trainer")
-SCRIPT = os.path.join(HERE, "train_clm.py")
+SCRIPTS = {"trainer": os.path.join(HERE, "train_clm.py"), "accelerate": os.path.join(HERE, "train_accelerate.py")}
 REFERENCE = os.path.join(HERE, "deepspeed_reference.json")
 
-_COMMON = ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--logging_steps", "1",
-           "--report_to", "none", "--seed", "0", "--output_dir", "{workdir}/out"]
+_COMMON = ["--deepspeed", "{config}", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
+           "--logging_steps", "1", "--report_to", "none", "--seed", "0", "--output_dir", "{workdir}/out"]
+_SAVE = ["--save_final", "{workdir}/final"]
 
 RUNS: dict[str, dict] = {
     # The config names the optimizer and schedule (DeepSpeed builds them from Trainer's values);
     # an evaluation every 2 steps; save_model gathers the 16-bit weights.
     "zero3-config-optimizer": {
         "config": "ds_zero3.json", "save_final": True,
-        "args": [*_COMMON, "--max_steps", "5", "--warmup_steps", "2", "--save_strategy", "no", "--eval_strategy",
+        "args": [*_COMMON, *_SAVE, "--max_steps", "5", "--warmup_steps", "2", "--save_strategy", "no", "--eval_strategy",
                  "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]},
     # No optimizer in the config: Trainer's own (torch.optim.AdamW(fused=True), weight decay in
     # one param group and not the other) and its linear schedule, two micro-steps per update,
     # clipping at Trainer's 1.0; save_model takes the module's state dict.
     "zero2-trainer-optimizer-accumulation": {
         "config": "ds_zero2.json", "save_final": True,
-        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "2", "--weight_decay", "0.1",
+        "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "2", "--weight_decay", "0.1",
                  "--gradient_accumulation_steps", "2", "--save_strategy", "no"]},
     # Optimizer states and parameters offloaded to host memory, no optimizer in the config:
     # accelerate turns Trainer's AdamW into DeepSpeedCPUAdam; Trainer's gradient checkpointing
     # (`model.gradient_checkpointing_enable()`) on.
     "zero3-offload-checkpointing": {
         "config": "ds_zero3_offload.json", "save_final": True,
-        "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--weight_decay", "0.01",
+        "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "1", "--weight_decay", "0.01",
                  "--gradient_checkpointing", "--save_strategy", "no"]},
     # from_pretrained after the TrainingArguments: at ZeRO-3 the model is built in zero.Init and
     # the checkpoint loaded on rank 0 through GatheredParameters; a checkpoint every 2 steps.
@@ -65,8 +67,16 @@ RUNS: dict[str, dict] = {
         "config": "ds_zero3_checkpoint.json", "pretrained": True, "resume_from": "zero3-pretrained-checkpoint",
         "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
                  "--resume_from_checkpoint", "{workdir}/out/checkpoint-2"]},
+    # accelerate's own loop (no Trainer): the config's optimizer through DummyOptim and
+    # DummyScheduler, 2 micro-batches per update under accelerator.accumulate, the model saved
+    # with get_state_dict and the state with save_state.
+    "accelerate-zero3-accumulation": {
+        "script": "accelerate", "config": "ds_accelerate_zero3.json", "save_final": True,
+        "args": ["{config}", "{workdir}", "--steps", "4", "--accumulation", "2"]},
 }
-"""name -> {"config" (in tests/hf_trainer/), "args", "save_final", "pretrained", "resume_from"}."""
+"""name -> {"script" ("trainer", the default, or "accelerate"), "config" (in tests/hf_trainer/),
+"args" ({config}, {workdir} filled in), "save_final" (the model saved in {workdir}/final),
+"pretrained" (--model_name_or_path given), "resume_from" (the run whose folder it continues in)}."""
 
 
 def save_pretrained_model(path: str) -> str:
@@ -101,16 +111,14 @@ def launch(system: str, name: str, workdir: str, python: str, pretrained: Option
     """Run `name` under `system` ("deepspeed" or "fxzero") in `workdir`: rank 0's Trainer log, its
     runtime and, where the run saves its final model, the model's fingerprint."""
     run = RUNS[name]
-    args = [a.format(workdir=workdir) for a in run["args"]]
-    args += ["--deepspeed", os.path.join(HERE, run["config"])]
+    args = [a.format(workdir=workdir, config=os.path.join(HERE, run["config"])) for a in run["args"]]
     if run.get("pretrained"):
         args += ["--model_name_or_path", pretrained]
-    if run.get("save_final"):
-        args += ["--save_final", os.path.join(workdir, "final")]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     launcher = ["-m", "fxzero.cli", "run", "--num_gpus=2"] if system == "fxzero" else \
         ["-m", "torch.distributed.run", "--nproc_per_node=2"]
-    proc = subprocess.run([python, *launcher, f"--master_port={free_port()}", SCRIPT, *args], cwd=workdir, env=env,
+    script = SCRIPTS[run.get("script", "trainer")]
+    proc = subprocess.run([python, *launcher, f"--master_port={free_port()}", script, *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TRAINER_LOG ")]
     if proc.returncode != 0 or not lines:
@@ -137,7 +145,8 @@ def run_both(names: list[str], deepspeed_python: str, fxzero_python: str) -> dic
 def differences(a: dict, b: dict) -> dict[str, float]:
     """The largest differences between two runs' logs (and fingerprints, relative)."""
     out = {key: max(abs(x[key] - y[key]) for x, y in zip(a["log"], b["log"])) for key in ("loss", "grad_norm",
-                                                                                       "learning_rate")}
+                                                                                       "learning_rate")
+           if key in a["log"][0]}
     if a["eval"]:
         out["eval_loss"] = max(abs(x["eval_loss"] - y["eval_loss"]) for x, y in zip(a["eval"], b["eval"]))
     if "fingerprint" in a:
