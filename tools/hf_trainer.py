@@ -118,8 +118,12 @@ def launch(system: str, name: str, workdir: str, python: str, pretrained: Option
     launcher = ["-m", "fxzero.cli", "run", "--num_gpus=2"] if system == "fxzero" else \
         ["-m", "torch.distributed.run", "--nproc_per_node=2"]
     script = SCRIPTS[run.get("script", "trainer")]
-    proc = subprocess.run([python, *launcher, f"--master_port={free_port()}", script, *args], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=900)
+    for attempt in range(2 if system == "deepspeed" else 1):  # (DeepSpeed's ranks on this CPU accelerator
+        # sometimes abort at exit, "terminate called without an active exception", after training: run again)
+        proc = subprocess.run([python, *launcher, f"--master_port={free_port()}", script, *args], cwd=workdir,
+                              env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode == 0:
+            break
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TRAINER_LOG ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{system} {name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
