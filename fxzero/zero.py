@@ -70,8 +70,9 @@ class InitRecord:
     gathering before initialize]); None: never gathered, every rank's parameters are meta."""
 
 
-_ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-"""The models built under `Init` (the roots of what a block constructed)."""
+_BUILT_IN: dict[int, tuple[str, "weakref.ref[nn.Module]"]] = {}
+"""id(parameter) -> (its name, the model built under `Init` that holds it, weakly). Not the
+parameter itself: `torch.utils.swap_tensors` refuses a tensor that has a weak reference."""
 _OPEN_BLOCKS: list["Init"] = []
 """The `Init` blocks being executed (construction under way)."""
 
@@ -150,7 +151,8 @@ class Init:
         state = self._start
         for root in roots:  # each root's init, replayed as eager construction ran it, in order
             setattr(root, _RECORD, InitRecord(state, self.config))
-            _ROOTS.add(root)
+            for name, p in root.named_parameters():
+                _BUILT_IN[id(p)] = (name, weakref.ref(root))
             stats: dict = {}
             for _ in initial_values(root, state, stats):
                 pass
@@ -199,10 +201,15 @@ class ZeRORuntimeException(Exception):
 
 def _built_under_init(param: torch.Tensor) -> Optional[nn.Module]:
     """The model built under `Init` that holds `param`, or None."""
-    for root in list(_ROOTS):
-        if any(q is param for q in root.parameters()):
-            return root
-    return None
+    entry = _BUILT_IN.get(id(param))
+    root = entry[1]() if entry is not None else None
+    if root is None:
+        return None
+    try:
+        held = root.get_parameter(entry[0])
+    except AttributeError:  # (the module holding it was replaced since)
+        return None
+    return root if held is param else None  # (else another parameter that had this id)
 
 
 def _swap_in(param: torch.Tensor, value: torch.Tensor) -> None:
