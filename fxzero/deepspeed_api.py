@@ -98,10 +98,11 @@ def init_distributed(dist_backend: Optional[str] = None, *, timeout: Optional[da
     dist.init_process_group(backend, init_method=init_method, **kwargs)
 
 
-def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bool, Optional[int]]:
+def _read_config(args: Any, config: Any, config_params: Any,
+                 client_optimizer: bool = False) -> tuple[Config, bool, Optional[int]]:
     """The Config; whether it names an optimizer (a DeepSpeed "optimizer" section with a type);
     the ZeRO stage a DeepSpeed config asks for (0, DeepSpeed's default, runs as stage 1; None for
-    a fxzero.Config)."""
+    a fxzero.Config). `client_optimizer`: initialize was given an optimizer."""
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -117,6 +118,13 @@ def _read_config(args: Any, config: Any, config_params: Any) -> tuple[Config, bo
     if not isinstance(config, dict):
         raise TypeError(f"config must be a DeepSpeed dict, a JSON file's path or a fxzero.Config, got "
                         f"{type(config).__name__}")
+    if config.get("scheduler") and not (config.get("optimizer") or {}).get("type") and not client_optimizer:
+        # DeepSpeed builds a schedule only with an optimizer: with neither, its section is never read
+        # (Hugging Face's Trainer evaluating alone keeps a training config's, its steps set to 0).
+        warn_ineffective(['the DeepSpeed config\'s "scheduler" section has no effect: no optimizer is configured '
+                          '(no "optimizer" section, none passed to initialize), and DeepSpeed steps a schedule only '
+                          "with one; fxzero's default AdamW, if trained with, keeps a constant lr"])
+        config = {k: v for k, v in config.items() if k != "scheduler"}
     cfg = Config.from_deepspeed(config)
     asked = (config.get("zero_optimization") or {}).get("stage", 0)
     return cfg, bool((config.get("optimizer") or {}).get("type")), int(asked) if isinstance(asked, int) else None
@@ -221,7 +229,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if config is None and config_params is None and getattr(args, "deepspeed_config", None) is None:
         record = getattr(model, "_fxzero_zero_init", None)  # the config zero.Init was given
         config = record.config if record is not None else None
-    cfg, names_optimizer, asked_stage = _read_config(args, config, config_params)
+    cfg, names_optimizer, asked_stage = _read_config(args, config, config_params, client_optimizer=optimizer is not None)
     client: Optional[torch.optim.Optimizer] = None  # the client's torch optimizer, once built
     if optimizer is not None:
         if names_optimizer:  # (DeepSpeed uses the client's, and reads the section for nothing)

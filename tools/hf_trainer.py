@@ -67,6 +67,11 @@ RUNS: dict[str, dict] = {
         "config": "ds_zero3_checkpoint.json", "pretrained": True, "resume_from": "zero3-pretrained-checkpoint",
         "args": [*_COMMON, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
                  "--resume_from_checkpoint", "{workdir}/out/checkpoint-2"]},
+    # Trainer's evaluate() alone on a model from from_pretrained: DeepSpeed started for inference
+    # (no optimizer; the config's scheduler, left in by Trainer, never built).
+    "zero3-pretrained-evaluate-only": {
+        "config": "ds_zero3.json", "pretrained": True,
+        "args": [*_COMMON, "--per_device_eval_batch_size", "2", "--evaluate_only"]},
     # accelerate's own loop (no Trainer): the config's optimizer through DummyOptim and
     # DummyScheduler, 2 micro-batches per update under accelerator.accumulate, the model saved
     # with get_state_dict and the state with save_state.
@@ -150,7 +155,7 @@ def differences(a: dict, b: dict) -> dict[str, float]:
     """The largest differences between two runs' logs (and fingerprints, relative)."""
     out = {key: max(abs(x[key] - y[key]) for x, y in zip(a["log"], b["log"])) for key in ("loss", "grad_norm",
                                                                                        "learning_rate")
-           if key in a["log"][0]}
+           if a["log"] and key in a["log"][0]}
     if a["eval"]:
         out["eval_loss"] = max(abs(x["eval_loss"] - y["eval_loss"]) for x, y in zip(a["eval"], b["eval"]))
     if "fingerprint" in a:

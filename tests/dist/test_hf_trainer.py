@@ -17,7 +17,8 @@ and records rank 0's Trainer log and the fingerprint of the model `save_model` w
   config's optimizer through DummyOptim/DummyScheduler, `accelerator.accumulate` over 2
   micro-batches, the model saved with `get_state_dict`, the state with `save_state`;
 - ZeRO-3 from `from_pretrained` (built in zero.Init, the checkpoint loaded through
-  GatheredParameters on rank 0), a checkpoint at step 2, and Trainer's resume from it.
+  GatheredParameters on rank 0), a checkpoint at step 2, and Trainer's resume from it;
+- the same model evaluated alone (`trainer.evaluate()`, DeepSpeed started for inference).
 
 Losses within 1e-5 of DeepSpeed's (they have been equal to the last bit), gradient norms and the
 saved weights' sums within 1e-5 relative (DeepSpeedCPUAdam's kernel rounds differently from
@@ -56,7 +57,7 @@ def _compare(name: str, got: dict) -> None:
             assert _close(g["grad_norm"], w["grad_norm"], 1e-5), (name, g, w)
             assert _close(g["learning_rate"], w["learning_rate"], 1e-9), (name, g, w)
     assert all(_close(g, w, 1e-9) for g, w in zip(got.get("lrs", []), want.get("lrs", []))), name
-    assert len({h["loss"] for h in want["log"]}) >= 3, "the reference is a real run (its losses vary step to step)"
+    assert not want["log"] or len({h["loss"] for h in want["log"]}) >= 3, "the reference is a real run (its losses vary)"
     assert [h["step"] for h in got["eval"]] == [h["step"] for h in want["eval"]], name
     assert all(abs(g["eval_loss"] - w["eval_loss"]) <= 1e-5 for g, w in zip(got["eval"], want["eval"])), name
     if "fingerprint" in want:
@@ -100,3 +101,12 @@ def test_from_pretrained_at_zero3_checkpoints_and_resumes_as_deepspeed(tmp_path,
     resumed = hf_trainer.launch("fxzero", "zero3-pretrained-resume", str(tmp_path), sys.executable, pretrained)
     _compare("zero3-pretrained-resume", resumed)
     assert resumed["log"][2:] == first["log"][2:], "steps 3 and 4 after the resume are the uninterrupted run's"
+
+
+def test_evaluation_alone_from_pretrained_at_zero3(tmp_path, pretrained):
+    """`trainer.evaluate()` with no training: Trainer starts DeepSpeed for inference, with no optimizer
+    and the training config's scheduler still in it (its steps set to 0), which DeepSpeed never
+    builds without an optimizer, nor does fxzero now (it warns once)."""
+    got = hf_trainer.launch("fxzero", "zero3-pretrained-evaluate-only", str(tmp_path), sys.executable, pretrained)
+    _compare("zero3-pretrained-evaluate-only", got)
+    assert got["log"] == [] and len(got["eval"]) == 1

@@ -34,6 +34,8 @@ class ModelArguments:
     samples: int = 64
     save_final: Optional[str] = None
     """Where `trainer.save_model` writes the trained model at the end (None: not saved)."""
+    evaluate_only: bool = False
+    """Only `trainer.evaluate()`, no training (Trainer starts DeepSpeed for inference alone)."""
 
 
 def small_llama() -> LlamaConfig:
@@ -70,6 +72,12 @@ def main() -> None:
     data = RandomTokens(model_args.samples, model_args.seq_len, model.config.vocab_size)
     held_out = RandomTokens(8, model_args.seq_len, model.config.vocab_size, first=model_args.samples)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=held_out)
+    if model_args.evaluate_only:
+        loss = trainer.evaluate()["eval_loss"]
+        if trainer.is_world_process_zero():
+            print("TRAINER_LOG " + json.dumps({"log": [], "eval": [{"step": 0, "eval_loss": loss}],
+                                               "train_runtime": 0.0}), flush=True)
+        return
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if model_args.save_final:
         trainer.save_model(model_args.save_final)

@@ -207,3 +207,16 @@ def test_what_huggingfaces_trainer_reads_of_the_engine():
     with pytest.raises(ValueError, match=r"Config.get\('zero_optimization'\) reads the DeepSpeed config a Config was "
                                          r"read from, and this one was built in Python"):
         fxzero.Config(stage=3).get("zero_optimization")
+
+
+def test_a_scheduler_without_an_optimizer_is_never_built_as_under_deepspeed():
+    """DeepSpeed builds a schedule only with an optimizer (the config's or initialize's): Hugging
+    Face's Trainer, evaluating alone, keeps a training config's scheduler with its steps set to 0,
+    which must not stop the engine; with an optimizer the same section is read strictly."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0, "warmup_num_steps": 1}}}
+    with pytest.warns(IneffectiveSetting, match=r'"scheduler" section has no effect: no optimizer is configured'):
+        engine, *_ = fxzero.initialize(model=_model(), config=ds)
+    assert engine.lr_scheduler is None and "scheduler" not in engine.config.deepspeed_source
+    with pytest.raises(ValueError, match=r"WarmupDecayLR.total_num_steps must be an int >= 1"):
+        fxzero.initialize(model=_model(), config={**ds, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
