@@ -161,7 +161,7 @@ def python_snippet(config: Config) -> str:
     `Config()`'s defaults, each as its repr (frozen dataclasses and torch dtypes)."""
     default = Config()
     fields = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(Config)
-              if getattr(config, f.name) != getattr(default, f.name)]
+              if f.compare and getattr(config, f.name) != getattr(default, f.name)]  # (not deepspeed_source)
     names: set[str] = set()
     for _, v in fields:
         _names(v, names)
