@@ -210,6 +210,7 @@ def test_each_candidate_reads_back_from_its_ds_config():
                 namespace: dict = {}
                 exec(python_snippet(config), namespace)
                 assert namespace["config"] == config
+                assert python_snippet(read) == python_snippet(config)  # (its DeepSpeed source is not a field to write)
 
 
 def test_the_written_ds_config_is_the_printed_config(runner, tmp_path):
