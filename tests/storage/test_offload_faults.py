@@ -273,3 +273,25 @@ def test_deepspeeds_usual_config_one_nvme_path_for_params_and_optimizer(tmp_path
     assert _train_step(engine, inputs) > 0
     engine.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_two_engines_of_one_process_on_one_nvme_path(tmp_path):
+    """Two engines alive in one process on one nvme_path (DeepSpeed-Chat's actor and critic, or
+    initialize run twice in a notebook) each get directories of their own: the second was a
+    'File exists' error telling the user to choose another directory. Each trains and removes
+    only its own at close."""
+    section = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = fxzero.Config.from_deepspeed({
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": section, "offload_optimizer": section}})
+    first, inputs = _engine(config)
+    first_dirs = set(os.listdir(tmp_path))
+    second, _ = _engine(config)
+    second_dirs = set(os.listdir(tmp_path)) - first_dirs
+    assert len(first_dirs) == len(second_dirs) == 2
+    assert _train_step(first, inputs) == _train_step(second, inputs) > 0
+    first.close()
+    assert set(os.listdir(tmp_path)) == second_dirs
+    second.close()
+    assert os.listdir(tmp_path) == []

@@ -63,7 +63,8 @@ def _nvme_dir(placement: Nvme, rank: int, index: "int | str" = 0) -> str:
     """This rank's directory under the placement's path; `index` tells apart the directories of
     two placements on one path (DeepSpeed configs give offload_param and offload_optimizer the
     same nvme_path, with different buffer counts: two tiers, one disk; "activations": the saved
-    activations', `fxzero/runtime/activation_store.py`)."""
+    activations', `fxzero/runtime/activation_store.py`). A numbered directory another engine of
+    this process holds (two engines on one path) is passed over for the next number."""
     if not os.path.isdir(placement.path):
         raise ValueError(
             f"[rank {rank}] Nvme(path={placement.path!r}): no such directory; create it (mkdir -p) "
@@ -75,17 +76,23 @@ def _nvme_dir(placement: Nvme, rank: int, index: "int | str" = 0) -> str:
             "permissions or choose another directory"
         )
     _remove_stale_dirs(placement.path, rank)
-    path = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}" + (f"-{index}" if index else ""))
-    try:
-        os.makedirs(path, exist_ok=False)
-        with open(os.path.join(path, _OWNER), "w") as f:
-            json.dump({"host": _host(), "pid": os.getpid()}, f)
-    except OSError as e:
-        raise ValueError(
-            f"[rank {rank}] Nvme(path={placement.path!r}): cannot create this rank's directory there "
-            f"({e.strerror or e}); choose a writable directory on the fast disk"
-        ) from e
-    return path
+    base = os.path.join(placement.path, f"fxzero-rank{rank}-{os.getpid()}")
+    while True:
+        path = base + (f"-{index}" if index else "")
+        try:
+            os.makedirs(path, exist_ok=False)
+            with open(os.path.join(path, _OWNER), "w") as f:
+                json.dump({"host": _host(), "pid": os.getpid()}, f)
+            return path
+        except FileExistsError:
+            if not isinstance(index, int):
+                raise AssertionError(f"{path} exists: activation stores are numbered per process")
+            index += 1  # another engine of this process on this path (a second initialize, actor and critic)
+        except OSError as e:
+            raise ValueError(
+                f"[rank {rank}] Nvme(path={placement.path!r}): cannot create this rank's directory there "
+                f"({e.strerror or e}); choose a writable directory on the fast disk"
+            ) from e
 
 
 _OWNER = "owner.json"
