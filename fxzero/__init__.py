@@ -58,6 +58,10 @@ _EXPORTS = {
     "init_distributed": "fxzero.deepspeed_api",
     "initialize": "fxzero.deepspeed_api",
     "compile_program": "fxzero.compiler",
+    # (DeepSpeed's top-level names for these: `from deepspeed import get_accelerator`)
+    "get_accelerator": "fxzero.accelerator",
+    "log_dist": "fxzero.utils",
+    "logger": "fxzero.utils",
 }
 """Public name -> the module that defines it."""
 

@@ -148,6 +148,7 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
     params, buffers = materialize(
         model, layouts, rank=comm.rank, whole=whole, state_dict=state_dict,
         seed=record.rng_state if record is not None else config.seed, holder=holder,
+        holder_rng=holder is not None and record.rng_alike,
         spill=spilled, spill_to=functools.partial(_spill, store, config.mixed_precision), device=device,
     )
     mp = config.mixed_precision

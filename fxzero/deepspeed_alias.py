@@ -62,6 +62,11 @@ NAMES: dict[str, dict[str, str]] = {
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},
     "git_version_info": {"version": "fxzero:__version__", "torch_info": "fxzero.accelerator:TORCH_INFO"},
     "checkpoint.utils": {"clone_tensors_for_torch_save": "fxzero.utils:clone_tensors_for_torch_save"},
+    # (LoRA scripts swap a model's layers with these; DeepSpeed moved them from compression.helper)
+    "utils.module_utils": {"recursive_getattr": "fxzero.utils:recursive_getattr",
+                           "recursive_setattr": "fxzero.utils:recursive_setattr"},
+    "compression.helper": {"recursive_getattr": "fxzero.utils:recursive_getattr",
+                           "recursive_setattr": "fxzero.utils:recursive_setattr"},
     # DeepSpeed's optimizer classes: their options read into fxzero's policies (runtime/deepspeed_optimizers.py)
     "ops.adam": {"DeepSpeedCPUAdam": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPUAdam",
                  "FusedAdam": "fxzero.runtime.deepspeed_optimizers:FusedAdam"},

@@ -27,7 +27,7 @@ from fxzero.runtime.user_module import UserModule, binding_of
 
 __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint",
-           "log_dist", "logger",
+           "log_dist", "logger", "recursive_getattr", "recursive_setattr",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
 
@@ -283,3 +283,19 @@ def clone_tensors_for_torch_save(item: Any, device: Union[str, torch.device] = "
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
+
+
+def recursive_getattr(model: torch.nn.Module, module_name: str) -> Any:
+    """DeepSpeed's `deepspeed.utils.module_utils.recursive_getattr` (formerly
+    `deepspeed.compression.helper`'s): the attribute at a dotted path ("decoder.layers.0.fc1")."""
+    value: Any = model
+    for part in module_name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def recursive_setattr(model: torch.nn.Module, module_name: str, module: Any) -> None:
+    """DeepSpeed's `recursive_setattr`: set the attribute at a dotted path (LoRA scripts replace a
+    model's Linear layers by it)."""
+    parent, _, last = module_name.rpartition(".")
+    setattr(recursive_getattr(model, parent) if parent else model, last, module)

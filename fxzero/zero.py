@@ -33,13 +33,33 @@ the other ranks drop theirs. `initialize` then shards the model from the holder,
 at a time (`fxzero.runtime.materialize`). Memory until then: the whole model on the holder
 (Hugging Face's loading reads the whole checkpoint on rank 0 in any case), the gathered
 parameters on the others, as under DeepSpeed.
+
+[Note: parameters made beside a held model]
+Code also makes new parameters beside such a model before `initialize`, outside any `Init`
+block, on the device of the model's own (`weight.device`): Hugging Face's
+`resize_token_embeddings` builds a new embedding so and swaps it in, in a GatheredParameters
+block with the old one; LoRA scripts add their adapters so. Under DeepSpeed they are whole on
+every rank, alike. Here that device is the CPU on the holder and the meta device elsewhere, so
+only the holder has their values: a parameter no engine holds and not built under `Init` that
+is meta on some rank (found with one all-reduce) is the held model's, whole on its holder, and
+is gathered from it like the model's own (the model of the other parameters gathered with it,
+else the one model held). `initialize` shards every parameter of the model from the holder, so
+the new ones come from it too. A parameter real on every rank is left as it is, as DeepSpeed
+leaves parameters that are not ZeRO's.
+
+Building such a module draws from the global RNG (nn.Embedding's normal_ init) on the holder
+only: the others built it on the meta device. Under DeepSpeed every rank draws it, so ranks
+seeded alike stay alike, and the dropout masks training draws next depend on it. So where every
+rank's RNG was alike at the model's first gather (`InitRecord.rng_alike`), each gather block's
+end and `initialize` put the other ranks' RNG where the holder's is; ranks seeded apart are
+left apart.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
+import hashlib
 import weakref
 from typing import Any, Iterable, Optional, Union
 
@@ -47,8 +67,9 @@ import torch
 import torch.nn as nn
 
 from fxzero.config.notices import warn_ineffective
-from fxzero.runtime.init_replay import initial_values
-from fxzero.runtime.user_module import binding_of
+from fxzero.runtime.init_replay import initial_values, rng_after_construction
+from fxzero.runtime.materialize import rng_from
+from fxzero.runtime.user_module import ZeroParamStatus, binding_of, mark_zero3
 
 __all__ = ["GatheredParameters", "Init", "InitRecord", "ZeRORuntimeException", "ZeroParamStatus", "init_record",
            "param_status", "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
@@ -68,6 +89,10 @@ class InitRecord:
     held_by: Optional[int] = None
     """The rank that holds the model whole since its first gather before initialize ([Note:
     gathering before initialize]); None: never gathered, every rank's parameters are meta."""
+    rng_alike: bool = False
+    """Whether every rank's global RNG was alike at that first gather: then each gather block,
+    and `initialize`, leaves the others' RNG where the holder's is ([Note: parameters made
+    beside a held model])."""
 
 
 _BUILT_IN: dict[int, tuple[str, "weakref.ref[nn.Module]"]] = {}
@@ -151,12 +176,10 @@ class Init:
         state = self._start
         for root in roots:  # each root's init, replayed as eager construction ran it, in order
             setattr(root, _RECORD, InitRecord(state, self.config))
-            for name, p in root.named_parameters():
+            for index, (name, p) in enumerate(root.named_parameters()):
                 _BUILT_IN[id(p)] = (name, weakref.ref(root))
-            stats: dict = {}
-            for _ in initial_values(root, state, stats):
-                pass
-            state = stats.get("rng_after", state)
+                mark_zero3(p, index, tuple(p.shape), persist=False, available=False)
+            state = rng_after_construction(root, state)
         torch.random.set_rng_state(state)  # where eager construction would have left the RNG
 
 
@@ -173,21 +196,13 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     whole forward, so every use is seen: nothing to do."""
 
 
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's name for where a ZeRO parameter's value is (`param_status`)."""
-
-    AVAILABLE = 1
-    """This rank holds its whole value (ZeRO-1/2, a persistent unit, or inside GatheredParameters)."""
-    NOT_AVAILABLE = 2
-    """Sharded: a placeholder on this rank ([Note: the user's module])."""
-    INFLIGHT = 3
-    """Being gathered. fxzero's gathers run inside its programs, never on the user's parameters,
-    so `param_status` never answers it."""
-
-
 def param_status(param: torch.Tensor) -> ZeroParamStatus:
-    """Whether this rank holds `param`'s value now (DeepSpeed keeps it as `param.ds_status`): not for a
-    ZeRO-3 placeholder, nor for a parameter of a model built under `Init` before `initialize`."""
+    """Whether this rank holds `param`'s value now: its `ds_status` where it has one ([Note: the
+    DeepSpeed attributes of a parameter] in `fxzero/runtime/user_module.py`), else not for a
+    meta placeholder."""
+    status = getattr(param, "ds_status", None)
+    if status is not None:
+        return status
     return ZeroParamStatus.NOT_AVAILABLE if param.is_meta else ZeroParamStatus.AVAILABLE
 
 
@@ -255,9 +270,64 @@ def _holder(root: nn.Module, modifier_rank: Optional[int]) -> int:
                              f"0..{world - 1}")
         if rank == holder:
             _materialize(root)
-        record = dataclasses.replace(record, held_by=holder)
+        record = dataclasses.replace(record, held_by=holder, rng_alike=_rng_alike_everywhere())
         setattr(root, _RECORD, record)
     return record.held_by
+
+
+def _rng_alike_everywhere() -> bool:
+    """Whether every rank's global CPU RNG is in one state (a collective)."""
+    import torch.distributed as dist
+
+    if _rank_and_world()[1] == 1:
+        return True
+    digest = int.from_bytes(hashlib.blake2b(torch.random.get_rng_state().numpy().tobytes(), digest_size=7).digest(),
+                            "little")
+    both = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return int(both[0]) == -int(both[1])
+
+
+def _join(group: list[torch.Tensor], p: torch.Tensor) -> None:
+    if not any(p is q for q in group):
+        group.append(p)
+
+
+def _loose_on_holder(loose: list[torch.Tensor], unsharded: dict[int, list[torch.Tensor]], alike: dict[int, bool]
+                     ) -> list[tuple[torch.Tensor, int, bool]]:
+    """Of parameters neither an engine's nor built under `Init`, those that are some held
+    model's, with its holder ([Note: parameters made beside a held model]); the others are left
+    as they are, but a meta one has nothing to gather: an error. A collective where the call
+    has such parameters and a model is held (every rank classifies alike)."""
+    if not loose:
+        return []
+    if not unsharded:
+        for record in _held_records():
+            alike[record.held_by] = alike.get(record.held_by, False) or record.rng_alike
+    holders = set(unsharded) or set(alike)
+    if len(holders) == 1 and _rank_and_world()[1] > 1:
+        import torch.distributed as dist
+
+        meta = torch.tensor([p.is_meta for p in loose], dtype=torch.uint8)
+        dist.all_reduce(meta, op=dist.ReduceOp.MAX)  # (meta on some rank: a held model's, whole on its holder)
+        (holder,) = holders
+        joined = [(p, holder, alike.get(holder, False)) for p, m in zip(loose, meta.tolist()) if m]
+    else:
+        joined = []
+    kept = {id(p) for p, _, _ in joined}
+    if any(p.is_meta and id(p) not in kept for p in loose):
+        raise RuntimeError(
+            "GatheredParameters: this parameter is on the meta device, no fxzero engine holds it and it "
+            "was not built under fxzero.zero.Init, so it has no values to gather. Build the model under "
+            "zero.Init (its own init then gives them), give it values first "
+            "(module.load_state_dict(state, assign=True)), or gather it after fxzero.initialize")
+    return joined
+
+
+def _held_records() -> list[InitRecord]:
+    """The records of the live models built under `Init` that a rank holds whole."""
+    roots = {id(r): r for r in (ref() for _, ref in _BUILT_IN.values()) if r is not None}
+    return [rec for rec in map(init_record, roots.values()) if rec is not None and rec.held_by is not None]
 
 
 def _flat(params: Any) -> list[torch.Tensor]:
@@ -290,30 +360,29 @@ class GatheredParameters:
     def __enter__(self) -> "GatheredParameters":
         by_binding: dict[int, tuple[Any, list[str]]] = {}
         unsharded: dict[int, list[torch.Tensor]] = {}  # of models built under Init, before initialize, by holder
+        alike: dict[int, bool] = {}  # holder -> whether its models' ranks drew alike ([Note: parameters made beside ...])
+        loose: list[torch.Tensor] = []  # neither an engine's nor built under Init
         for p in self.params:
             found = binding_of(p)
             root = _built_under_init(p) if found is None else None
             if root is not None:  # ([Note: gathering before initialize])
-                group = unsharded.setdefault(_holder(root, self.modifier_rank), [])
-                if not any(p is q for q in group):
-                    group.append(p)
-                continue
-            if found is None:
+                holder = _holder(root, self.modifier_rank)
+                _join(unsharded.setdefault(holder, []), p)
+                alike[holder] = alike.get(holder, False) or init_record(root).rng_alike
+            elif found is None:
                 if p.is_meta and _OPEN_BLOCKS:
                     raise RuntimeError(
                         "GatheredParameters inside a zero.Init block: fxzero builds the model on the meta device "
                         "and gives it its values at the block's end (its own init replayed), so there is nothing "
                         "to gather yet. Set the values in the module's reset_parameters() or the model's "
                         "_init_weights(module), or gather them after the block")
-                if p.is_meta:
-                    raise RuntimeError(
-                        "GatheredParameters: this parameter is on the meta device, no fxzero engine holds it and it "
-                        "was not built under fxzero.zero.Init, so it has no values to gather. Build the model under "
-                        "zero.Init (its own init then gives them), give it values first "
-                        "(module.load_state_dict(state, assign=True)), or gather it after fxzero.initialize")
-                continue
-            binding, fqn = found
-            by_binding.setdefault(id(binding), (binding, []))[1].append(fqn)
+                loose.append(p)
+            else:
+                binding, fqn = found
+                by_binding.setdefault(id(binding), (binding, []))[1].append(fqn)
+        for p, holder, rng_alike in _loose_on_holder(loose, unsharded, alike):
+            _join(unsharded.setdefault(holder, []), p)
+            alike[holder] = alike.get(holder, False) or rng_alike
         stack = contextlib.ExitStack()
         for binding, fqns in by_binding.values():
             if self.modifier_rank is not None and not 0 <= self.modifier_rank < binding.comm.world_size:
@@ -321,7 +390,7 @@ class GatheredParameters:
                                  f": ranks are 0..{binding.comm.world_size - 1}")
             stack.enter_context(binding.gathered(list(dict.fromkeys(fqns)), self.modifier_rank))
         for holder, params in unsharded.items():
-            stack.enter_context(_whole_from_holder(params, holder, self.modifier_rank))
+            stack.enter_context(_whole_from_holder(params, holder, self.modifier_rank, alike.get(holder, False)))
         self._stack = stack
         return self
 
@@ -333,11 +402,11 @@ class GatheredParameters:
 
 @contextlib.contextmanager
 @torch.no_grad()
-def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: Optional[int]):
+def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: Optional[int], rng_alike: bool):
     """GatheredParameters for parameters of a model not yet sharded ([Note: gathering before
     initialize]): whole on every rank for the block, from the holder (a collective); at its end
     the modifier's values to the holder, or, with no modifier, the holder's from before put back;
-    the other ranks' copies dropped."""
+    the other ranks' copies dropped; with `rng_alike`, their RNG put where the holder's is."""
     import torch.distributed as dist
 
     rank, world = _rank_and_world()
@@ -348,6 +417,9 @@ def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: O
         _swap_in(p, torch.empty(p.shape, dtype=p.dtype))
     for p in params if world > 1 else ():
         dist.broadcast(p.data, src=holder)
+    marked = [p for p in params if "ds_status" in p.__dict__]  # (alike on every rank: [Note: the DeepSpeed ...])
+    for p in marked:
+        p.ds_status = ZeroParamStatus.AVAILABLE
     before = [p.detach().clone() for p in params] if modifier_rank is None and rank == holder else None
     try:
         yield
@@ -360,3 +432,7 @@ def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: O
                 dist.broadcast(p.data, src=modifier_rank)
         for p in borrowed:
             _swap_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for p in marked:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        if rng_alike:
+            rng_from(holder)

@@ -4,7 +4,8 @@
         [--write tests/hf_trainer/deepspeed_reference.json]
 
 Each run starts tests/hf_trainer/train_clm.py (a Trainer script written as its users write it,
-`--deepspeed ds.json`) or train_accelerate.py (accelerate's own loop) on 2 CPU ranks with the same
+`--deepspeed ds.json`), train_accelerate.py (accelerate's own loop) or train_sft.py (DeepSpeed-Chat's
+supervised fine-tuning, its way) on 2 CPU ranks with the same
 arguments, once with DeepSpeed on its CPU
 accelerator (`DS_ACCELERATOR=cpu`, launched by torchrun) and once with `fxzero run`. Prints one
 JSON object per run: each system's Trainer log (loss, grad_norm, learning_rate per step, and
@@ -12,7 +13,8 @@ the evaluation loss where the run evaluates), the
 fingerprint of the model `trainer.save_model` wrote (each tensor's sum and sum of squares), the
 largest differences, and each system's `train_runtime`. With `--write`, DeepSpeed's logs and
 fingerprints are stored as the reference tests/dist/test_hf_trainer.py compares fxzero against
-(the test needs no DeepSpeed installed). `.venv-bench` comes from `bash scripts/bench-env.sh`.
+(the test needs no DeepSpeed installed; the runs given replace theirs in the file, the others
+stay). `.venv-bench` comes from `bash scripts/bench-env.sh`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "tests", "hf_trainer")
-SCRIPTS = {"trainer": os.path.join(HERE, "train_clm.py"), "accelerate": os.path.join(HERE, "train_accelerate.py")}
+SCRIPTS = {"trainer": os.path.join(HERE, "train_clm.py"), "accelerate": os.path.join(HERE, "train_accelerate.py"),
+           "sft": os.path.join(HERE, "train_sft.py")}
 REFERENCE = os.path.join(HERE, "deepspeed_reference.json")
 
 _COMMON = ["--deepspeed", "{config}", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
@@ -78,8 +81,26 @@ RUNS: dict[str, dict] = {
     "accelerate-zero3-accumulation": {
         "script": "accelerate", "config": "ds_accelerate_zero3.json", "save_final": True,
         "args": ["{config}", "{workdir}", "--steps", "4", "--accumulation", "2"]},
+    # DeepSpeed-Chat's step 1 (supervised fine-tuning), its way (tests/hf_trainer/train_sft.py): at
+    # ZeRO-3 from_pretrained in zero.Init, resize_token_embeddings, LoRA layers swapped in, its client
+    # FusedAdam and transformers' cosine schedule, dropout, perplexity before and after, LoRA fused
+    # under GatheredParameters and the model saved by its gather loop (after rank 0 alone took the
+    # module's state dict).
+    "sft-zero3-lora": {
+        "script": "sft", "pretrained": True, "save_final": True,
+        "args": ["--output_dir", "{workdir}/final", "--zero_stage", "3", "--lora_dim", "4"]},
+    # ... only the LoRA matrices trained, parameters and optimizer states offloaded to host memory
+    # (DeepSpeedCPUAdam), gradient checkpointing enabled on the engine after initialize.
+    "sft-zero3-lora-only-offload-checkpointing": {
+        "script": "sft", "pretrained": True, "save_final": True,
+        "args": ["--output_dir", "{workdir}/final", "--zero_stage", "3", "--lora_dim", "4", "--only_optimize_lora",
+                 "--offload", "--gradient_checkpointing"]},
+    # ... at ZeRO-2, no LoRA: rank 0's state dict is the saved model.
+    "sft-zero2": {
+        "script": "sft", "pretrained": True, "save_final": True,
+        "args": ["--output_dir", "{workdir}/final", "--zero_stage", "2"]},
 }
-"""name -> {"script" ("trainer", the default, or "accelerate"), "config" (in tests/hf_trainer/),
+"""name -> {"script" ("trainer", the default, "accelerate" or "sft"), "config" (in tests/hf_trainer/),
 "args" ({config}, {workdir} filled in), "save_final" (the model saved in {workdir}/final),
 "pretrained" (--model_name_or_path given), "resume_from" (the run whose folder it continues in)}."""
 
@@ -105,18 +126,25 @@ def free_port() -> int:
 
 
 def fingerprint(path: str) -> dict[str, list[float]]:
-    """Each tensor of a saved model: [sum, sum of squares], in float64."""
-    from safetensors.torch import load_file
+    """Each tensor of a saved model (model.safetensors, else pytorch_model.bin): [sum, sum of
+    squares], in float64."""
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        from safetensors.torch import load_file
 
-    return {k: [v.double().sum().item(), v.double().square().sum().item()]
-            for k, v in sorted(load_file(os.path.join(path, "model.safetensors")).items())}
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+    else:
+        import torch
+
+        tensors = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu")
+    return {k: [v.double().sum().item(), v.double().square().sum().item()] for k, v in sorted(tensors.items())}
 
 
 def launch(system: str, name: str, workdir: str, python: str, pretrained: Optional[str] = None) -> dict:
     """Run `name` under `system` ("deepspeed" or "fxzero") in `workdir`: rank 0's Trainer log, its
     runtime and, where the run saves its final model, the model's fingerprint."""
     run = RUNS[name]
-    args = [a.format(workdir=workdir, config=os.path.join(HERE, run["config"])) for a in run["args"]]
+    config = os.path.join(HERE, run["config"]) if "config" in run else None  # (train_sft.py builds its own)
+    args = [a.format(workdir=workdir, config=config) for a in run["args"]]
     if run.get("pretrained"):
         args += ["--model_name_or_path", pretrained]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -178,9 +206,13 @@ def main() -> int:
         print(json.dumps({"run": name, "steps": len(ds["log"]), "max_difference": differences(ds, fx),
                           "train_runtime_s": {"deepspeed": ds["train_runtime"], "fxzero": fx["train_runtime"]},
                           "deepspeed": ds, "fxzero": fx}))
-    if opts.write:
-        reference = {"deepspeed": "0.19.8", "runs": {name: {k: v for k, v in results[name]["deepspeed"].items()
-                                                            if k != "train_runtime"} for name in names}}
+    if opts.write:  # (the runs given replace theirs in the file; the others are kept)
+        reference = {"deepspeed": "0.19.8", "runs": {}}
+        if os.path.exists(opts.write):
+            with open(opts.write) as f:
+                reference = json.load(f)
+        reference["runs"].update({name: {k: v for k, v in results[name]["deepspeed"].items() if k != "train_runtime"}
+                                  for name in names})
         with open(opts.write, "w") as f:
             json.dump(reference, f, indent=1)
             f.write("\n")

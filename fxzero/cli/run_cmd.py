@@ -105,6 +105,6 @@ def run_command(argv: tuple[str, ...]) -> None:
     """
     cmd, env = launch_command(list(argv))
     click.echo("fxzero run: `import deepspeed` is fxzero in this program's processes "
-               f"(torchrun {' '.join(a for a in cmd[3:] if a.startswith('--n') or a.startswith('--master'))})",
+               f"(torchrun {' '.join(cmd[3:cmd.index('fxzero.cli.run_worker') - 1])})",
                err=True)
     sys.exit(subprocess.call(cmd, env=env))

@@ -42,6 +42,7 @@ from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
 from fxzero.runtime.stepping import StepControl, StepLog
+from fxzero.runtime.throughput import ThroughputTimer
 from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.user_module import UserModule
@@ -116,6 +117,9 @@ class Engine:
         """Where the model's inputs go (`inputs.to(engine.device)`): `cuda:LOCAL_RANK` on a CUDA
         rank, else the CPU (`fxzero/runtime/device.py`)."""
         self._log = StepLog(config.steps_per_print, self.rank)
+        self.tput_timer = ThroughputTimer(batch.train_batch_size)
+        """DeepSpeed's throughput counter: samples per second from each forward to its step()
+        (`fxzero/runtime/throughput.py`)."""
         self.training_dataloader: Any = None
         """The loader `fxzero.initialize` built (its position is saved in checkpoints), or None."""
         self._failed_load: Optional[str] = None
@@ -125,7 +129,7 @@ class Engine:
         self._step_applied = False
         mp = config.mixed_precision
         self._user = UserModule(model, state, comm, compute_dtype=mp.param_dtype if mp is not None else None,
-                                timeout=config.collective_timeout)
+                                timeout=config.collective_timeout, zero3=config.stage == 3)
         """Keeps the user's module a view of what this engine trains ([Note: the user's module])."""
         self._requires_grad = RequiresGradWatch(model, state.layouts)  # ([Note: requires_grad after compile])
         self._window = GradWindow()  # what no backward of this accumulation gave a gradient: the update skips it
@@ -300,6 +304,7 @@ class Engine:
         if self._failed_load is not None:
             raise RuntimeError(f"[rank {self.rank}] {self._failed_load}; this engine's states are partly replaced: "
                                "build a new engine (fxzero.compile) and load a good checkpoint")
+        self.tput_timer.start()
         if self._random_ltd is not None:  # the schedule's step, and the kept count as an input (routing.py)
             args, kwargs = self._random_ltd.call(self._model, args, kwargs, self.global_steps, self.device)
         if self.config.autocast is not None:  # (DeepSpeed's "torch_autocast": the caller's autocast replaced)
@@ -488,6 +493,7 @@ class Engine:
         self._step_applied = False
         self.control.micro_steps += 1
         if not boundary:
+            self.tput_timer.stop(global_step=False)
             return
         runner = self._stepping.step
         grads = self.state.grads
@@ -507,6 +513,7 @@ class Engine:
         self._ran_program()  # (after the gradient shards go)
         self._user.bind()  # (the step updated in place: only a unit whose storage moved is rebound)
         self.control.stepped(self.optimizer, skipped=not update)
+        self.tput_timer.stop(global_step=True)
         self._log.stepped(self)
 
     # -- what a DeepSpeed training script reads ----------------------------------------------

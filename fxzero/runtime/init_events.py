@@ -11,7 +11,8 @@ Built eagerly after `torch.manual_seed(s)`, a model draws, in this order:
 2. a Hugging Face `PreTrainedModel` ends its `__init__` with `post_init()`: it applies its
    `_initialize_weights` (the model's `_init_weights`) over its subtree, children before
    parents, skipping modules an inner model's own `post_init()` already did (its
-   `_is_hf_initialized` flags), then ties weights; the tie's source keeps its value;
+   `_is_hf_initialized` flags), then ties weights; the tie's source keeps its value (while
+   transformers' `no_init_weights()` is in force, `init_weights_disabled`, it does nothing);
 3. any other model with an `_init_weights(module)` method is taken to end its `__init__` with
    `self.apply(self._init_weights)` (the nanoGPT pattern): applied in `nn.Module.apply` order to
    the model as it stands, tied parameters shared.
@@ -29,7 +30,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch.nn as nn
 
-__all__ = ["Apply", "Construct", "init_events"]
+__all__ = ["Apply", "Construct", "init_events", "init_weights_disabled"]
 
 
 def _conv1d_init(module: nn.Module) -> None:
@@ -75,6 +76,15 @@ def _pretrained_class() -> Optional[type]:
     """transformers' PreTrainedModel if transformers is loaded (a model of it is, then)."""
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     return getattr(modeling_utils, "PreTrainedModel", None)
+
+
+def init_weights_disabled(model: nn.Module) -> bool:
+    """Whether the model's `post_init()` would initialize nothing now: transformers'
+    `no_init_weights()` replaces `PreTrainedModel.init_weights` with a function that does nothing
+    while `from_pretrained` builds a model under DeepSpeed's `zero.Init` (the checkpoint gives the
+    values), so eager construction there draws nothing for it."""
+    fn = getattr(type(model), "init_weights", None)
+    return "no_init_weights" in getattr(fn, "__qualname__", "")
 
 
 def init_events(model: nn.Module) -> list[Union[Construct, Apply]]:

@@ -41,9 +41,9 @@ import torch.nn as nn
 
 from fxzero._compat import TorchDispatchMode
 from fxzero.config.notices import warn_once
-from fxzero.runtime.init_events import Apply, Construct, init_events
+from fxzero.runtime.init_events import Apply, Construct, init_events, init_weights_disabled
 
-__all__ = ["initial_values"]
+__all__ = ["initial_values", "rng_after_construction"]
 
 
 # torch.nn.init functions that return a meta tensor untouched: the dry run would not see them
@@ -444,3 +444,27 @@ def initial_values(model: nn.Module, seed: Union[int, torch.Tensor], stats: Opti
         torch.random.set_rng_state(rng_state)
         if stats is not None:
             stats["peak_bytes"] = replay.peak_bytes
+
+
+def rng_after_construction(model: nn.Module, state: torch.Tensor) -> torch.Tensor:
+    """The CPU RNG state eager construction of `model` from `state` ends in (`zero.Init` moves
+    the global RNG there). Under transformers' `no_init_weights()` (`from_pretrained` builds the
+    model so at ZeRO-3, the checkpoint giving the values) `post_init()` initializes nothing and
+    torch.nn.init's functions do nothing: only the layers' own construction runs, and draws only
+    what a layer draws some other way. The global RNG is left where it is."""
+    if not init_weights_disabled(model):
+        stats: dict = {}
+        for _ in initial_values(model, state, stats):
+            pass
+        return stats.get("rng_after", state)
+    replay = _Replay(model)
+    now = torch.random.get_rng_state()
+    try:
+        torch.random.set_rng_state(state)
+        for event in replay.events:
+            if isinstance(event, Construct):
+                replay.run_construct(event)
+        return torch.random.get_rng_state()
+    finally:
+        replay.restore()
+        torch.random.set_rng_state(now)

@@ -24,7 +24,7 @@ import torch.nn as nn
 from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
 from fxzero.runtime.init_replay import initial_values
 
-__all__ = ["broadcast_initial_values", "materialize"]
+__all__ = ["broadcast_initial_values", "materialize", "rng_from"]
 
 
 def _alias_to_unique(model: nn.Module) -> dict[str, str]:
@@ -108,6 +108,7 @@ def materialize(
     stats: Optional[dict] = None,
     device: torch.device = torch.device("cpu"),
     holder: Optional[int] = None,
+    holder_rng: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's flat parameter storage per unit, and the model's buffers (full), in `device`'s
     memory ([Note: buffer kinds] in `fxzero/runtime/device.py`); the values are computed on the
@@ -119,6 +120,9 @@ def materialize(
         holder: the rank whose model holds every value whole, the others' being meta (a model
             built under `zero.Init` and gathered before initialize): each parameter and buffer is
             broadcast from it, one at a time. A collective.
+        holder_rng: then also put every rank's global RNG where the holder's is (the ranks drew
+            alike until the model was first gathered: [Note: parameters made beside a held
+            model] in fxzero/zero.py).
         spill, spill_to: units whose shard is handed to `spill_to(unit, shard)` as soon as it is
             complete (e.g. written to an NVMe tier) instead of returned.
         stats: if given and the model's own init runs, `stats["peak_bytes"]` is set to the
@@ -152,6 +156,8 @@ def materialize(
             sink.put(fqn, from_holder(p))
         for fqn, b in model.named_buffers():
             buffers[fqn] = from_holder(b).clone()
+        if holder_rng:
+            rng_from(holder)
     elif not any(p.is_meta for p in model.parameters()):
         for fqn, p in unique_parameters(model).items():
             sink.put(fqn, p)
@@ -215,3 +221,13 @@ def broadcast_initial_values(model: nn.Module, group=None) -> int:
                 sent += size
                 chunk, size = [], 0
     return sent
+
+
+def rng_from(holder: int) -> None:
+    """Every rank's global CPU RNG put where `holder`'s is (a collective)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        state = torch.random.get_rng_state()
+        dist.broadcast(state, src=holder)
+        torch.random.set_rng_state(state)

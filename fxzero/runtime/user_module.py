@@ -22,6 +22,20 @@ The module the user passed (and `engine.module`, the same object) is kept consis
   themselves, placeholders included, and gathers nothing (fxzero's own code lists keys with it).
   `engine.full_state_dict()` gives the fp32 masters.
 
+[Note: the DeepSpeed attributes of a parameter]
+Programs written for DeepSpeed tell a ZeRO-3 parameter by its attributes: `hasattr(p, "ds_id")`
+before gathering it (PEFT's and DeepSpeed-Chat's save and merge code), `p.ds_status ==
+ZeroParamStatus.NOT_AVAILABLE` for which to gather, `p.ds_shape` and `p.ds_numel` for its whole
+size (DeepSpeed leaves an empty tensor). At ZeRO-3 every parameter the engine trains carries
+them, with their meaning here: `ds_id` its index in the model, `ds_shape`/`ds_numel` its whole
+size, `ds_persist` whether its unit is held whole, and `ds_status` AVAILABLE where this rank
+holds the value (a persistent unit, or inside GatheredParameters) and NOT_AVAILABLE for a
+placeholder, kept current by every rebinding. Alike on every rank, so a program's choice of
+what to gather is the same everywhere. At ZeRO-1/2 no parameter has them, as under DeepSpeed.
+A model built under `zero.Init` carries them from the block's end (NOT_AVAILABLE outside
+GatheredParameters on every rank, the holder included: [Note: gathering before initialize] in
+`fxzero/zero.py`). `ds_tensor` (DeepSpeed's shard) is not given: the shard is the engine's.
+
 The parameter objects keep their identity throughout (`torch.utils.swap_tensors` where a value
 moves between the meta device and memory), so references the user holds (an optimizer's param
 list, `model.lm_head.weight`) stay the module's.
@@ -30,6 +44,8 @@ list, `model.lm_head.weight`) stay the module's.
 from __future__ import annotations
 
 import contextlib
+import enum
+import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Optional
 
@@ -41,7 +57,25 @@ from fxzero.runtime.agreement import agree
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.state import RankState
 
-__all__ = ["UserModule", "binding_of"]
+__all__ = ["UserModule", "ZeroParamStatus", "binding_of"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's name for where a ZeRO-3 parameter's value is (`param.ds_status`, [Note: the
+    DeepSpeed attributes of a parameter])."""
+
+    AVAILABLE = 1
+    """This rank holds its whole value (a persistent unit, or inside GatheredParameters)."""
+    NOT_AVAILABLE = 2
+    """Sharded: a placeholder on this rank ([Note: the user's module])."""
+    INFLIGHT = 3
+    """Being gathered. fxzero's gathers run inside its programs, never on the user's parameters,
+    so no parameter is ever left in it."""
+
+
+_DS_ATTRS = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_persist")
+"""The attributes DeepSpeed's ZeRO-3 parameters carry that programs read ([Note: the DeepSpeed
+attributes of a parameter])."""
 
 _BINDING = "_fxzero_binding"
 """The attribute each bound parameter carries: (its `UserModule`, its FQN)."""
@@ -53,25 +87,43 @@ def binding_of(param: torch.Tensor) -> Optional[tuple["UserModule", str]]:
 
 
 def _set(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Make `param` hold `value` (a view, shared), keeping the Parameter object itself."""
+    """Make `param` hold `value` (a view, shared), keeping the Parameter object itself (and its
+    `ds_status` current, where it has one)."""
     if param.device == value.device:
         param.data = value
-        return
-    # (set_data cannot move a tensor between the meta device and memory: swap the objects' contents)
-    moved = nn.Parameter(value, requires_grad=param.requires_grad)
-    moved.__dict__.update(param.__dict__)
-    torch.utils.swap_tensors(param, moved)
+    else:
+        # (set_data cannot move a tensor between the meta device and memory: swap the objects' contents)
+        moved = nn.Parameter(value, requires_grad=param.requires_grad)
+        moved.__dict__.update(param.__dict__)
+        torch.utils.swap_tensors(param, moved)
+    if "ds_status" in param.__dict__:
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE if value.is_meta else ZeroParamStatus.AVAILABLE
+
+
+def mark_zero3(param: nn.Parameter, index: int, shape: tuple[int, ...], persist: bool, available: bool) -> None:
+    """Give `param` DeepSpeed's ZeRO-3 attributes ([Note: the DeepSpeed attributes of a parameter])."""
+    param.ds_id = index
+    param.ds_shape = torch.Size(shape)
+    param.ds_numel = torch.Size(shape).numel()
+    param.ds_persist = persist
+    param.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
+
+
+def unmark_zero3(param: nn.Parameter) -> None:
+    for attr in _DS_ATTRS:
+        param.__dict__.pop(attr, None)
 
 
 class UserModule:
     """Keeps the user's module a view of this rank's `RankState` ([Note: the user's module])."""
 
     def __init__(self, model: nn.Module, state: RankState, comm: Comm, *, compute_dtype: Optional[torch.dtype],
-                 timeout: float) -> None:
+                 timeout: float, zero3: bool = False) -> None:
         """
         Args:
             compute_dtype: what the model computes in under mixed precision (None: fp32 training).
             timeout: seconds a gather waits for the other ranks (`Config.collective_timeout`).
+            zero3: the engine runs ZeRO-3: its parameters carry DeepSpeed's ZeRO-3 attributes.
         """
         self.model, self.state, self.comm = model, state, comm
         self.compute_dtype = compute_dtype
@@ -90,8 +142,13 @@ class UserModule:
         self._bound: dict[str, Optional[int]] = {}  # unit -> id of the storage its params view (None: placeholders)
         self._gathered: set[str] = set()  # FQNs GatheredParameters holds full right now
         self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
-        for fqn, p in self.params.items():
+        for index, (fqn, p) in enumerate(self.params.items()):
             setattr(p, _BINDING, (self, fqn))
+            if zero3:  # (available or not: bind() below sets ds_status from what the parameter holds)
+                mark_zero3(p, index, tuple(p.shape), persist=all(
+                    u in state.whole for u in self.units_of.get(fqn, [])), available=False)
+            else:
+                unmark_zero3(p)  # (built under zero.Init, trained at ZeRO-1/2: DeepSpeed's are ZeRO-3's alone)
         self._engine: Any = None  # a weak reference to the engine, set by it
         self._hooks = []
         pre, post = _function(self._state_dict_pre_hook), _function(self._state_dict_post_hook)
@@ -157,16 +214,21 @@ class UserModule:
         wanted = {unit for f in fqns for unit in self.units_of[f]}
         return [layout for layout in self.state.layouts if layout.name in wanted]
 
-    def gather(self, fqns: Iterable[str], *, compute: bool, what: str) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
+    def gather(self, fqns: Iterable[str], *, compute: bool, what: str, yields: bool = False
+               ) -> Iterator[tuple[UnitLayout, torch.Tensor]]:
         """(layout, full flat buffer) of every unit holding `fqns`, one at a time: a collective
         where a unit is sharded, agreed on by every rank first. `compute`: in the compute dtype
-        (else the fp32 masters)."""
+        (else the fp32 masters). `yields`: raise `OtherRanksElsewhere`, gathering nothing, when
+        the other ranks are at a GatheredParameters gather ([Note: a state_dict() on some ranks
+        only] in `fxzero/runtime/agreement.py`)."""
         layouts = self._units_of(fqns)
         sharded = [lay for lay in layouts if self.state.whole_buffer(lay.name, compute) is None]
         sequence = tuple(f"{what}: all_gather of {lay.name} ({lay.padded_numel} x "
                          f"{self.compute_dtype if compute and self.compute_dtype else lay.dtype})" for lay in sharded)
-        if sharded:
-            agree(self.comm, sequence, timeout=self.timeout, where=f"{what} (at ZeRO-3 it gathers: call it on every rank)")
+        if sharded and not agree(self.comm, sequence, timeout=self.timeout,
+                                 yields_to=f"{_GATHERED}:" if yields else None,
+                                 where=f"{what} (at ZeRO-3 it gathers: call it on every rank)"):
+            raise OtherRanksElsewhere(what)
         for layout in layouts:
             yield layout, self.state.full_unit(layout.name, self.comm, compute=compute)
 
@@ -194,12 +256,20 @@ class UserModule:
             return
         name = "model.state_dict()" if module is self.model else f"{type(module).__name__}.state_dict()"
         values: dict[str, torch.Tensor] = {}
-        for layout, flat in self.gather(wanted, compute=True, what=name):
-            for slot in layout.slots:
-                if slot.fqn in wanted:  # (a tied parameter: one tensor under each of its names, as eager's)
-                    value = slot.read_into(flat, values)
-                    for key in wanted[slot.fqn]:
-                        state_dict[key] = value
+        try:
+            for layout, flat in self.gather(wanted, compute=True, what=name, yields=True):
+                for slot in layout.slots:
+                    if slot.fqn in wanted:  # (a tied parameter: one tensor under each of its names, as eager's)
+                        value = slot.read_into(flat, values)
+                        for key in wanted[slot.fqn]:
+                            state_dict[key] = value
+        except OtherRanksElsewhere:
+            warnings.warn(
+                f"[rank {self.comm.rank}] {name} at ZeRO-3 on some ranks only, while the others gather otherwise "
+                f"(GatheredParameters): {len(wanted)} sharded parameters are left as meta placeholders, as DeepSpeed "
+                "leaves empty ones. A file saved from this state dict holds no values for them (loading it is an "
+                "error). For the trained values call state_dict() on every rank, or gather with "
+                "fxzero.zero.GatheredParameters, or save with engine.save_16bit_model()", stacklevel=4)
 
     def _unique_fqn(self, base: str, rel: str) -> Optional[str]:
         """The FQN fxzero keys `rel` (relative to the module at `base`) by: the first name of a tied one."""
@@ -235,7 +305,7 @@ class UserModule:
         compute-dtype copy, a tier), else changes are dropped. A collective."""
         fqns = [f for f in fqns if f not in self._gathered]  # (nested: the outer block owns them)
         flats, tiles = {}, {}
-        for layout, flat in self.gather(fqns, compute=False, what="GatheredParameters"):
+        for layout, flat in self.gather(fqns, compute=False, what=_GATHERED):
             flats[layout.name] = flat
             for slot in layout.slots:
                 if slot.fqn in fqns and slot.param_shape is not None:  # (a copy: written back below)
@@ -267,6 +337,14 @@ class UserModule:
                     bits.zero_()
                 self.comm.all_reduce(bits, count=False).wait()
             self.state.install_unit(unit, lambda lo, hi, flat=flat: flat[lo:hi], low_dtype)
+
+
+_GATHERED = "GatheredParameters"
+"""What a GatheredParameters gather calls itself in the ranks' agreement."""
+
+
+class OtherRanksElsewhere(Exception):
+    """A yielding gather's other ranks are at other collectives: it gathered nothing."""
 
 
 def _function(method):

@@ -66,6 +66,25 @@ def test_every_deepspeed_name_is_the_fxzero_object_it_says():
     assert "deepspeed.runtime.zero.partition_parameters" in proc.stdout  # (what it has, named)
 
 
+def test_deepspeeds_top_level_names_and_its_module_helpers():
+    """`from deepspeed import get_accelerator` (DeepSpeed-Chat, Megatron-DeepSpeed), and the helpers
+    LoRA scripts swap layers with (`deepspeed.compression.helper`, now `deepspeed.utils.module_utils`)."""
+    from fxzero.utils import recursive_getattr, recursive_setattr
+
+    assert fxzero.get_accelerator is fxzero.accelerator.get_accelerator
+    assert fxzero.log_dist is fxzero.utils.log_dist and fxzero.logger is fxzero.utils.logger
+    model = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 1)))
+    assert recursive_getattr(model, "1.1") is model[1][1] and recursive_getattr(model, "0.weight") is model[0].weight
+    swapped = nn.Linear(3, 1, bias=False)
+    recursive_setattr(model, "1.1", swapped)
+    assert model[1][1] is swapped
+    recursive_setattr(model, "0", nn.Identity())
+    assert isinstance(model[0], nn.Identity)
+    for module in ("compression.helper", "utils.module_utils"):
+        assert NAMES[module] == {"recursive_getattr": "fxzero.utils:recursive_getattr",
+                                 "recursive_setattr": "fxzero.utils:recursive_setattr"}
+
+
 def test_the_table_names_only_objects_that_exist():
     for names in NAMES.values():
         for target in names.values():

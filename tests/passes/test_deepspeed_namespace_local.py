@@ -126,6 +126,34 @@ def test_huggingface_patches_of_zero_init_find_deepspeeds_names():
     assert pp.zero_wrapper_for_fp_tensor_constructor(torch.arange, torch.float16, "cpu") is torch.arange
 
 
+def test_zero_init_inside_transformers_no_init_weights_draws_what_eager_construction_draws():
+    """from_pretrained at ZeRO-3 builds the model in transformers' no_init_weights() and then
+    zero.Init: torch.nn.init's functions and post_init()'s init do nothing there, so eager
+    construction draws nothing, and zero.Init must leave the RNG where it was (it moved it by a
+    whole init's draws, and every dropout mask after differed from DeepSpeed's)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.initialization import no_init_weights
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(1)
+    with no_init_weights():
+        transformers.LlamaForCausalLM(config)
+    eager = torch.random.get_rng_state()
+    torch.manual_seed(1)
+    with no_init_weights(), fxzero.zero.Init():
+        model = transformers.LlamaForCausalLM(config)
+    assert torch.equal(torch.random.get_rng_state(), eager)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config)  # (without it, construction draws the model's init)
+    drawn = torch.random.get_rng_state()
+    torch.manual_seed(1)
+    with fxzero.zero.Init():
+        transformers.LlamaForCausalLM(config)
+    assert torch.equal(torch.random.get_rng_state(), drawn) and not torch.equal(drawn, eager)
+    assert all(p.is_meta and p.ds_status is fxzero.zero.ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
+
+
 def test_zero_init_disabled_builds_eagerly_and_unknown_options_are_named():
     with fxzero.zero.Init(enabled=False):
         model = nn.Linear(4, 4)
