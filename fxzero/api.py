@@ -90,6 +90,38 @@ def compile(
         return _compile(model, config, state_dict, model_parameters, device)
 
 
+def _init_record(model: nn.Module) -> Any:
+    """The `zero.Init` record of the model, else of a model built under `zero.Init` inside it that
+    a rank holds whole (a wrapper built around it after `from_pretrained`: DeepSpeed-Chat's reward
+    model around the transformer), else None."""
+    own = getattr(model, "_fxzero_zero_init", None)
+    if own is not None:
+        return own
+    held = [r for r in (getattr(m, "_fxzero_zero_init", None) for m in model.modules())
+            if r is not None and r.held_by is not None]
+    if len({r.held_by for r in held}) > 1:
+        raise ValueError("the model holds models built under zero.Init that different ranks hold whole (each "
+                         "gathered first with another modifier_rank): gather them with one modifier_rank")
+    return held[0] if held else None
+
+
+def _agree_on_values(comm: Any, given: bool, seeded: bool, holder: Optional[int]) -> None:
+    """Every rank takes the model's values from the same source, or every rank raises (rather
+    than each waiting in a different collective)."""
+    if comm.world_size == 1:
+        return
+    mine = ("state_dict" if given else f"rank {holder}'s model" if holder is not None
+            else "the model's own init, replayed" if seeded else "rank 0's model, broadcast")
+    sources = comm.all_gather_object(mine)
+    if len(set(sources)) > 1:
+        where = "; ".join(f"ranks {[r for r, x in enumerate(sources) if x == s]}: {s}"
+                          for s in dict.fromkeys(sources))
+        raise RuntimeError(
+            f"[rank {comm.rank}] the ranks' models would take their values from different places ({where}). "
+            "Build the model alike on every rank: all of it on the meta device or under zero.Init, or all of it "
+            "with values (or pass state_dict= on every rank)")
+
+
 def _compile(model, config, state_dict, model_parameters, device=None) -> Engine:
     if config is None:
         config = Config()
@@ -117,10 +149,11 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
         raise ValueError(f"[rank {comm.rank}] the batch sizes imply gradient_accumulation_steps="
                          f"{batch.gradient_accumulation_steps}, and Offload(step_in_backward=True) updates in every "
                          "backward: drop step_in_backward, or make the batch sizes imply one micro-step")
-    record = getattr(model, "_fxzero_zero_init", None)  # built under fxzero.zero.Init ([Note: zero.Init])
+    record = _init_record(model)  # built under fxzero.zero.Init ([Note: zero.Init])
     holder = record.held_by if record is not None and state_dict is None else None  # (whole on one rank since a
     # gather before initialize: [Note: gathering before initialize] in fxzero/zero.py)
     seeded = state_dict is None and record is None and any(p.is_meta for p in model.parameters())
+    _agree_on_values(comm, state_dict is not None, seeded, holder)
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
     warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)

@@ -185,3 +185,52 @@ def test_a_new_embedding_beside_a_held_model_comes_from_the_holder():
         assert r["rng_gathered"] == eager_rng and r["rng_initialized"] == eager_rng
         assert torch.equal(r["full"]["embed.weight"], want)
         assert all(torch.equal(v, torch.full_like(v, 0.5)) for k, v in r["full"].items() if k != "embed.weight")
+
+
+class _RewardLike(nn.Module):
+    """A head built around a model from zero.Init after its loading (DeepSpeed-Chat's reward model)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(ids))
+
+
+def _wrapped(rank: int, world_size: int) -> dict:
+    torch.manual_seed(5)
+    with fxzero.zero.Init(config_dict_or_path=DS):
+        body = Net()
+    with torch.no_grad(), fxzero.zero.GatheredParameters(list(body.parameters()), modifier_rank=0):
+        if rank == 0:
+            for p in body.parameters():
+                p.fill_(0.5)
+    model = _RewardLike(body)  # (its head real on every rank, drawn alike)
+    engine, *_ = fxzero.initialize(model=model, config=DS)
+    out = {"full": engine.full_state_dict()}
+    torch.manual_seed(0)
+    with torch.device("meta") if rank == 1 else torch.device("cpu"):
+        lopsided = Net()  # (values on rank 0, none on rank 1)
+    try:
+        fxzero.initialize(model=lopsided, config=DS)
+    except RuntimeError as e:
+        out["lopsided"] = str(e)
+    return out
+
+
+def test_a_wrapper_around_a_held_model_takes_the_holders_values_and_lopsided_models_are_refused():
+    """Before: rank 0 (holding the body) broadcast its values while rank 1 (meta) replayed an init,
+    each waiting in its own collective until the 300 s timeout."""
+    torch.manual_seed(5)
+    Net()
+    head = nn.Linear(3, 1)  # (drawn where the wrapper drew it: after the body's construction)
+    ranks = run_ranks(_wrapped, 2, timeout_s=240)
+    for rank, r in enumerate(ranks):
+        full = r["full"]
+        assert torch.equal(full["head.weight"], head.weight.detach()) and torch.equal(full["head.bias"], head.bias.detach())
+        assert all(torch.equal(v, torch.full_like(v, 0.5)) for k, v in full.items() if k.startswith("body."))
+        message = r["lopsided"]
+        assert message.startswith(f"[rank {rank}] the ranks' models would take their values from different places")
+        assert "ranks [0]: rank 0's model, broadcast" in message and "ranks [1]: the model's own init, replayed" in message
