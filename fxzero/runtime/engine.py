@@ -407,8 +407,21 @@ class Engine:
             raise ValueError(f"[rank {self.rank}] engine.backward(retain_graph=True): fxzero's backward program frees "
                              "each saved activation after its last use, so a second backward through the same "
                              "forward has nothing to read; run the forward again for each backward")
+        params = self._user.params
+        for p in params.values():  # (fxzero's gradients live in its shards; a parameter's own .grad is unused)
+            p.grad = None
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
         self.control.loss_to_backward(loss, scale_wrt_gas).backward()
+        stray = [fqn for fqn, p in params.items() if p.grad is not None]
+        if stray:
+            for fqn in stray:
+                params[fqn].grad = None
+            raise RuntimeError(
+                f"[rank {self.rank}] engine.backward(loss): the loss reached the model's parameters outside the "
+                f"engine's forward ({', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}): a module of the model "
+                "was called directly (model.layer(x), or the model itself), and fxzero trains through the engine's "
+                "program only, so those gradients would be dropped. Compute every term inside the model's forward "
+                "and call the engine: engine(x)")
         self._log.loss(loss)
 
     @property
