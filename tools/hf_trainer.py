@@ -81,6 +81,12 @@ RUNS: dict[str, dict] = {
     "accelerate-zero3-accumulation": {
         "script": "accelerate", "config": "ds_accelerate_zero3.json", "save_final": True,
         "args": ["{config}", "{workdir}", "--steps", "4", "--accumulation", "2"]},
+    # PEFT's LoRA on a from_pretrained model at ZeRO-3 (get_peft_model before Trainer: its adapters
+    # built beside the zero.Init model), adapter dropout, only the adapters trained and saved.
+    "zero3-pretrained-peft-lora": {
+        "config": "ds_zero3.json", "pretrained": True, "save_final": True,
+        "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
+                 "--lora_r", "4"]},
     # DeepSpeed-Chat's step 1 (supervised fine-tuning), its way (tests/hf_trainer/train_sft.py): at
     # ZeRO-3 from_pretrained in zero.Init, resize_token_embeddings, LoRA layers swapped in, its client
     # FusedAdam and transformers' cosine schedule, dropout, perplexity before and after, LoRA fused
@@ -128,10 +134,11 @@ def free_port() -> int:
 def fingerprint(path: str) -> dict[str, list[float]]:
     """Each tensor of a saved model (model.safetensors, else pytorch_model.bin): [sum, sum of
     squares], in float64."""
-    if os.path.exists(os.path.join(path, "model.safetensors")):
+    saved = [name for name in ("model.safetensors", "adapter_model.safetensors") if os.path.exists(os.path.join(path, name))]
+    if saved:  # (a PEFT model's save writes its adapters alone)
         from safetensors.torch import load_file
 
-        tensors = load_file(os.path.join(path, "model.safetensors"))
+        tensors = load_file(os.path.join(path, saved[0]))
     else:
         import torch
 

@@ -19,6 +19,7 @@ and records rank 0's Trainer log and the fingerprint of the model `save_model` w
 - ZeRO-3 from `from_pretrained` (built in zero.Init, the checkpoint loaded through
   GatheredParameters on rank 0), a checkpoint at step 2, and Trainer's resume from it;
 - the same model evaluated alone (`trainer.evaluate()`, DeepSpeed started for inference);
+- PEFT's LoRA (`get_peft_model`) on a `from_pretrained` model at ZeRO-3, its adapters alone saved;
 - DeepSpeed-Chat's supervised fine-tuning, its way (tests/hf_trainer/train_sft.py): from_pretrained
   and resize_token_embeddings at ZeRO-3 before initialize, LoRA layers swapped in, a client
   FusedAdam (or DeepSpeedCPUAdam, offloading) with transformers' cosine schedule, dropout, LoRA
@@ -119,6 +120,18 @@ def test_evaluation_alone_from_pretrained_at_zero3(tmp_path, pretrained):
     got = hf_trainer.launch("fxzero", "zero3-pretrained-evaluate-only", str(tmp_path), sys.executable, pretrained)
     _compare("zero3-pretrained-evaluate-only", got)
     assert got["log"] == [] and len(got["eval"]) == 1
+
+
+def test_peft_lora_on_a_pretrained_model_at_zero3_trains_and_saves_its_adapters_as_deepspeed(tmp_path, pretrained):
+    """`get_peft_model` on a model from `from_pretrained` at ZeRO-3, before Trainer: PEFT builds its
+    adapters on the base weights' device beside the zero.Init model ([Note: parameters made beside
+    a held model] in fxzero/zero.py), with dropout; only they train, and `save_model` writes them
+    alone (their initial values are the holder's draws, the same as DeepSpeed's every rank draws)."""
+    pytest.importorskip("peft")
+    got = hf_trainer.launch("fxzero", "zero3-pretrained-peft-lora", str(tmp_path), sys.executable, pretrained)
+    _compare("zero3-pretrained-peft-lora", got)
+    assert got["fingerprint"] and all("lora_" in k for k in got["fingerprint"])
+    assert all(abs(v[0]) > 1e-4 for k, v in got["fingerprint"].items() if "lora_B" in k)  # (zeros at the start)
 
 
 @pytest.mark.parametrize("name", ["sft-zero3-lora", "sft-zero3-lora-only-offload-checkpointing", "sft-zero2"])

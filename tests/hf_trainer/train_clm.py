@@ -36,6 +36,9 @@ class ModelArguments:
     """Where `trainer.save_model` writes the trained model at the end (None: not saved)."""
     evaluate_only: bool = False
     """Only `trainer.evaluate()`, no training (Trainer starts DeepSpeed for inference alone)."""
+    lora_r: int = 0
+    """> 0: PEFT's LoRA of this rank on the attention's q and v projections (`get_peft_model`),
+    with dropout; only the adapters train, and `save_model` writes them alone."""
 
 
 def small_llama() -> LlamaConfig:
@@ -69,6 +72,11 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
     else:
         model = LlamaForCausalLM(small_llama())
+    if model_args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=model_args.lora_r, lora_alpha=16, lora_dropout=0.1,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     data = RandomTokens(model_args.samples, model_args.seq_len, model.config.vocab_size)
     held_out = RandomTokens(8, model_args.seq_len, model.config.vocab_size, first=model_args.samples)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=held_out)
