@@ -306,12 +306,15 @@ class UserModule:
         fqns = [f for f in fqns if f not in self._gathered]  # (nested: the outer block owns them)
         flats, tiles = {}, {}
         for layout, flat in self.gather(fqns, compute=False, what=_GATHERED):
-            flats[layout.name] = flat
+            if modifier_rank is not None:
+                flats[layout.name] = flat  # (the unit's other parameters, for the write-back)
             for slot in layout.slots:
-                if slot.fqn in fqns and slot.param_shape is not None:  # (a copy: written back below)
+                if slot.fqn in fqns and slot.param_shape is not None:  # (a tiled parameter's tiles: assembled)
                     _set(self.params[slot.fqn], slot.read_into(flat, tiles))
                 elif slot.fqn in fqns:
-                    _set(self.params[slot.fqn], flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    # Each its own tensor, not a view of the unit's buffer: a value kept past the block
+                    # (`state[name] = p.data.cpu()`, then torch.save) would keep, and save, the whole unit.
+                    _set(self.params[slot.fqn], flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
         self._gathered.update(fqns)
         try:
             yield
@@ -319,10 +322,11 @@ class UserModule:
             self._gathered.difference_update(fqns)
             try:
                 if modifier_rank is not None and flats:
-                    for layout in self._units_of(tiles):  # a tiled parameter's values back into its tiles
+                    for layout in self._units_of(fqns):  # the parameters' values back into their units
                         for slot in layout.slots:
-                            flats[layout.name][slot.offset : slot.offset + slot.numel].copy_(
-                                self.params[slot.fqn].detach().reshape(-1)[slot.start : slot.start + slot.numel])
+                            if slot.fqn in fqns:
+                                flats[layout.name][slot.offset : slot.offset + slot.numel].copy_(
+                                    self.params[slot.fqn].detach().reshape(-1)[slot.start : slot.start + slot.numel])
                     self._write_back(flats, modifier_rank)
             finally:
                 self.bind(force=True)

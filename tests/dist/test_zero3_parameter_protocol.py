@@ -84,11 +84,13 @@ def _attributes_and_save(rank: int, world_size: int) -> dict:
             lone = model.state_dict()
         out["lone_meta"] = sorted(k for k, v in lone.items() if v.is_meta)
         out["lone_warning"] = [str(w.message) for w in seen if "on some ranks only" in str(w.message)]
-    saved = {}
+    saved, storage = {}, {}
     for name, p in model.named_parameters():
         with fxzero.zero.GatheredParameters(_to_fetch([p]), enabled=hasattr(p, "ds_id")):
-            saved[name] = p.data.clone()
-    out["saved"] = saved
+            value = p.data.cpu()  # (DeepSpeed-Chat's: on a CPU rank the tensor itself, kept past the block)
+        saved[name] = value.clone()
+        storage[name] = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    out["saved"], out["own_storage"] = saved, storage
     out["full"] = engine.full_state_dict()
     out["everyone"] = {k: v.clone() for k, v in model.state_dict().items()}  # (every rank: gathered)
     timer = engine.tput_timer
@@ -130,6 +132,9 @@ def test_deepspeed_chats_save_rank0_state_dict_then_the_gather_loop(saved_runs):
     assert r0["lone_meta"] == sharded  # (placeholders, as DeepSpeed's empty ones)
     assert len(r0["lone_warning"]) == 1 and r0["lone_warning"][0].startswith("[rank 0]")
     for r in saved_runs:
+        # (each gathered parameter its own tensor: a view of its unit's gathered buffer kept the whole
+        # unit alive, and torch.save wrote the whole unit for each parameter, 12x DeepSpeed-Chat's file)
+        assert all(r["own_storage"][n] for n in sharded), r["own_storage"]
         assert set(r["saved"]) == set(r["full"])
         for name, value in r["saved"].items():
             assert torch.equal(value, r["full"][name]), name  # the trained fp32 values
