@@ -101,6 +101,11 @@ RUNS: dict[str, dict] = {
         "script": "sft", "pretrained": True, "save_final": True,
         "args": ["--output_dir", "{workdir}/final", "--zero_stage", "3", "--lora_dim", "4", "--only_optimize_lora",
                  "--offload", "--gradient_checkpointing"]},
+    # ... DPO (DeepSpeed-Chat's step2_dpo_finetuning) at ZeRO-3: a second engine in the process, the
+    # frozen reference, from_pretrained in zero.Init too, with no optimizer, in eval mode.
+    "sft-zero3-dpo-reference": {
+        "script": "sft", "pretrained": True, "save_final": True,
+        "args": ["--output_dir", "{workdir}/final", "--zero_stage", "3", "--dpo_beta", "0.1"]},
     # ... at ZeRO-2, no LoRA: rank 0's state dict is the saved model.
     "sft-zero2": {
         "script": "sft", "pretrained": True, "save_final": True,

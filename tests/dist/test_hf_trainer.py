@@ -25,7 +25,8 @@ and records rank 0's Trainer log and the fingerprint of the model `save_model` w
   FusedAdam (or DeepSpeedCPUAdam, offloading) with transformers' cosine schedule, dropout, LoRA
   fused under GatheredParameters and the model saved by its ZeRO-3 gather loop after rank 0
   alone took the module's state dict; at ZeRO-3 with LoRA, with only LoRA trained and states
-  offloaded and gradient checkpointing, and at ZeRO-2.
+  offloaded and gradient checkpointing, at ZeRO-2, and DeepSpeed-Chat's DPO at ZeRO-3 (a second
+  engine in the process, the frozen reference with no optimizer).
 
 Losses within 1e-5 of DeepSpeed's (they have been equal to the last bit), gradient norms and the
 saved weights' sums within 1e-5 relative (DeepSpeedCPUAdam's kernel rounds differently from
@@ -134,7 +135,8 @@ def test_peft_lora_on_a_pretrained_model_at_zero3_trains_and_saves_its_adapters_
     assert all(abs(v[0]) > 1e-4 for k, v in got["fingerprint"].items() if "lora_B" in k)  # (zeros at the start)
 
 
-@pytest.mark.parametrize("name", ["sft-zero3-lora", "sft-zero3-lora-only-offload-checkpointing", "sft-zero2"])
+@pytest.mark.parametrize("name", ["sft-zero3-lora", "sft-zero3-lora-only-offload-checkpointing", "sft-zero2",
+                                  "sft-zero3-dpo-reference"])
 def test_deepspeed_chat_style_fine_tuning_trains_and_saves_as_deepspeed(name, tmp_path, pretrained):
     """tests/hf_trainer/train_sft.py, DeepSpeed-Chat's supervised fine-tuning written its way: the
     losses (dropout on), learning rates and perplexities DeepSpeed's, the file its save loop wrote

@@ -18,6 +18,9 @@ What it does, as that program does:
 - `model.gradient_checkpointing_enable()` on the engine, after `initialize`;
 - perplexity before and after training (eval mode, no_grad, all-reduced), the engine's
   `tput_timer` read and its epoch counted;
+- with `--dpo_beta`, DeepSpeed-Chat's DPO (step2_dpo_finetuning): a second engine in the process, the
+  reference model built the same way with a config of no optimizer, in eval mode, its forward
+  under no_grad; the loss from both engines' outputs;
 - at the end: LoRA fused into the weights inside GatheredParameters(modifier_rank=0) for the
   parameters with `ds_id` that are NOT_AVAILABLE, rank 0 alone saving the module's state dict
   (DeepSpeed gives placeholders there at ZeRO-3), and at ZeRO-3 every rank gathering each
@@ -52,6 +55,11 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 
+ADDED_TOKENS = 5
+"""Tokens a tokenizer added to the pretrained model's vocabulary: the embedding is resized to fit them,
+rounded up to a multiple of 8."""
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="SFT with LoRA, DeepSpeed-Chat's way")
     parser.add_argument("--model_name_or_path", required=True)
@@ -72,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora_learning_rate", type=float, default=5e-3)
     parser.add_argument("--only_optimize_lora", action="store_true")
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--dpo_beta", type=float, default=0.0,
+                        help="> 0: DPO against a frozen reference copy (DeepSpeed-Chat's step2_dpo_finetuning)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
@@ -185,6 +195,31 @@ def save_zero3(model, rank: int, path: str) -> None:
         torch.save(state, path)
 
 
+def eval_config(args: argparse.Namespace, world_size: int) -> dict:
+    """The reference model's config: no optimizer, parameters sharded at ZeRO-3 (else stage 0)."""
+    return {"train_micro_batch_size_per_gpu": 2 * args.per_device_train_batch_size,
+            "train_batch_size": 2 * args.per_device_train_batch_size * world_size * args.gradient_accumulation_steps,
+            "steps_per_print": 10, "gradient_clipping": 1.0, "prescale_gradients": False,
+            "zero_optimization": {"stage": args.zero_stage if args.zero_stage == 3 else 0,
+                                  "stage3_param_persistence_threshold": 1e4, "memory_efficient_linear": False},
+            **({"bf16": {"enabled": True}} if args.dtype == "bf16" else {})}
+
+
+def pretrained(args: argparse.Namespace, ds_config: dict) -> nn.Module:
+    model_config = AutoConfig.from_pretrained(args.model_name_or_path)
+    model_config.attention_dropout = args.dropout
+    keep = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841  (zero.Init in from_pretrained)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=model_config)
+    model.resize_token_embeddings(int(8 * math.ceil((model_config.vocab_size + ADDED_TOKENS) / 8.0)))
+    return model
+
+
+def response_logps(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Each sequence's log-probability of its tokens from `start` on (the response)."""
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logps[:, start - 1:].sum(-1)
+
+
 def main() -> None:
     args = parse_args()
     get_accelerator().set_device(max(args.local_rank, 0))
@@ -195,12 +230,8 @@ def main() -> None:
     get_accelerator().manual_seed_all(args.seed)
     torch.distributed.barrier()
 
-    model_config = AutoConfig.from_pretrained(args.model_name_or_path)
-    model_config.attention_dropout = args.dropout
-    keep = HfDeepSpeedConfig(ds_config) if args.zero_stage == 3 else None  # noqa: F841  (zero.Init in from_pretrained)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=model_config)
-    vocab = model_config.vocab_size + 5  # (a tokenizer with added tokens)
-    model.resize_token_embeddings(int(8 * math.ceil(vocab / 8.0)))
+    model = pretrained(args, ds_config)
+    vocab = AutoConfig.from_pretrained(args.model_name_or_path).vocab_size + ADDED_TOKENS  # (the tokenizer's size)
     if args.lora_dim > 0:
         model = to_lora(model, args.lora_module_name, args.lora_dim)
         if args.only_optimize_lora:
@@ -209,7 +240,11 @@ def main() -> None:
             model.enable_input_require_grads()
 
     data = torch.randint(0, vocab, (args.samples, args.seq_len), generator=torch.Generator().manual_seed(7))
-    dataset = TensorDataset(data)
+    rejected = data.clone()  # (DPO's pairs: one prompt, two responses)
+    prompt = args.seq_len // 2
+    rejected[:, prompt:] = torch.randint(0, vocab, (args.samples, args.seq_len - prompt),
+                                         generator=torch.Generator().manual_seed(8))
+    dataset = TensorDataset(data, rejected)
     train = DataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=DistributedSampler(dataset))
     evaluation_data = DataLoader(TensorDataset(data[:8]), batch_size=2, sampler=DistributedSampler(TensorDataset(data[:8])))
 
@@ -234,12 +269,28 @@ def main() -> None:
                                                               dist_init_required=True)
     if args.gradient_checkpointing:
         engine.gradient_checkpointing_enable()
+    reference = None
+    if args.dpo_beta > 0:  # (a second engine in the process: the frozen reference, in eval mode)
+        ref_config = eval_config(args, world_size)
+        reference, *_ = deepspeed.initialize(model=pretrained(args, ref_config), config=ref_config)
+        reference.eval()
+
+    def train_loss(chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if reference is None:
+            return engine(input_ids=chosen, labels=chosen, use_cache=False).loss
+        both = torch.cat([chosen, other])
+        policy = response_logps(engine(input_ids=both, use_cache=False).logits, both, prompt)
+        with torch.no_grad():
+            ref = response_logps(reference(input_ids=both).logits, both, prompt)
+        n = chosen.shape[0]
+        margin = (policy[:n] - ref[:n]) - (policy[n:] - ref[n:])
+        return -F.logsigmoid(args.dpo_beta * margin).mean()
 
     log = {"log": [], "lrs": [], "eval": [{"step": 0, "eval_loss": math.log(perplexity(engine))}]}
     engine.train()
     start = time.perf_counter()
-    for step, (ids,) in enumerate(train, 1):
-        loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+    for step, (ids, other) in enumerate(train, 1):
+        loss = train_loss(ids, other)
         engine.backward(loss)
         engine.step()
         log["log"].append({"step": step, "loss": loss.item()})
