@@ -36,6 +36,11 @@ A model built under `zero.Init` carries them from the block's end (NOT_AVAILABLE
 GatheredParameters on every rank, the holder included: [Note: gathering before initialize] in
 `fxzero/zero.py`). `ds_tensor` (DeepSpeed's shard) is not given: the shard is the engine's.
 
+A parameter the user replaces after compile (`model.to(dtype)`, `.half()`, `p.data = t`) no
+longer views anything the engine holds: it would keep the values of that moment while the
+engine trains on, and every later `state_dict()` would be that stale model. `bind()` after each
+step finds such parameters and points them back at the trained values, warning once.
+
 The parameter objects keep their identity throughout (`torch.utils.swap_tensors` where a value
 moves between the meta device and memory), so references the user holds (an optimizer's param
 list, `model.lm_head.weight`) stay the module's.
@@ -142,6 +147,7 @@ class UserModule:
         self._bound: dict[str, Optional[int]] = {}  # unit -> id of the storage its params view (None: placeholders)
         self._gathered: set[str] = set()  # FQNs GatheredParameters holds full right now
         self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
+        self._warned_converted = False
         for index, (fqn, p) in enumerate(self.params.items()):
             setattr(p, _BINDING, (self, fqn))
             if zero3:  # (available or not: bind() below sets ds_status from what the parameter holds)
@@ -181,7 +187,9 @@ class UserModule:
             whole = self.state.whole_buffer(layout.name, compute=True)
             key = id(whole) if whole is not None else None
             if not force and layout.name in self._bound and self._bound[layout.name] == key:
-                continue
+                if whole is None or self._viewing(layout, whole):
+                    continue
+                self._converted()
             self._bound[layout.name] = key
             for slot in layout.slots:
                 if slot.fqn in self._gathered:
@@ -195,6 +203,24 @@ class UserModule:
                     value = torch.empty(slot.full_shape, dtype=dtype, device="meta")
                 _set(self.params[slot.fqn], value)
         self.bind_buffers()
+
+    def _viewing(self, layout: UnitLayout, whole: torch.Tensor) -> bool:
+        """Whether the unit's parameters still view its whole buffer: `model.to(dtype)`, `.half()`
+        or `.double()` replaced them with converted copies, which would keep the values of that
+        moment while the engine trains on."""
+        ptr = whole.untyped_storage().data_ptr()
+        return all(self.params[slot.fqn].untyped_storage().data_ptr() == ptr for slot in layout.slots
+                   if slot.param_shape is None and slot.fqn not in self._gathered)
+
+    def _converted(self) -> None:
+        if not self._warned_converted:
+            self._warned_converted = True
+            warnings.warn(
+                f"[rank {self.comm.rank}] the model's parameters were replaced after compile (model.to(dtype), "
+                ".half(), .double(), or a parameter's .data assigned): they held the values of that moment while the "
+                "engine trained on. fxzero points them at the trained values again after each step, in the engine's "
+                "dtype; to save in another dtype, convert after the last step (or use engine.save_16bit_model())",
+                stacklevel=4)
 
     def bind_buffers(self) -> None:
         buffers = self.state.buffers
