@@ -230,10 +230,12 @@ def _split_masters(state: RankState, low_dtype: torch.dtype, rank: int) -> None:
 
 
 def _compile_for(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only=False, *,
-                 device="cpu"):
+                 device="cpu", module=None):
+    """`module`: compile this module's call instead of the model's; it has the model's parameters
+    under their names (`GradientProbe`, [Note: gradients from outside the program])."""
     with _rng_untouched():
-        return _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only,
-                                device)
+        return _compile_program(model if module is None else module, config, world_size, layouts, cost_model, rank,
+                                args, kwargs, forward_only, device)
 
 
 def _compile_program(model, config, world_size, layouts, cost_model, rank, args, kwargs, forward_only, device):

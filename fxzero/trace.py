@@ -129,6 +129,10 @@ def _check_model(model: nn.Module) -> None:
 class DataDependentControlFlow(ValueError):
     """The forward reads a tensor's value in Python (`if h.sum() > 0:`, `.item()`, `.tolist()`)."""
 
+    needs_values = True
+    """The forward needs the tensors' values, which a trace does not have: an engine at ZeRO-1/2
+    runs it eagerly ([Note: gradients from outside the program] in `fxzero/runtime/outside_grads.py`)."""
+
     def __init__(self, where: str) -> None:
         super().__init__(
             f"the forward reads a tensor's value in Python at {where}: fxzero traces the model once into one static "
@@ -147,6 +151,9 @@ class DataDependentShape(ValueError):
     """A size that depends on the data is used where fxzero's trace cannot follow it: an operator
     whose output size no rule gives, a Python decision on the count `nonzero` or a boolean mask
     selected, or a differentiable output of such a size. (The engine says which rank.)"""
+
+    needs_values = True
+    """As `DataDependentControlFlow.needs_values`."""
 
     def __init__(self, where: str, what: str = "") -> None:
         super().__init__(

@@ -110,6 +110,11 @@ RUNS: dict[str, dict] = {
     "sft-zero2": {
         "script": "sft", "pretrained": True, "save_final": True,
         "args": ["--output_dir", "{workdir}/final", "--zero_stage", "2"]},
+    # ... DeepSpeed-Chat's reward model (step2_reward_model_finetuning) at ZeRO-2: a forward that walks
+    # its rows in Python (`nonzero().item()`), which fxzero runs eagerly.
+    "sft-zero2-reward": {
+        "script": "sft", "pretrained": True, "save_final": True,
+        "args": ["--output_dir", "{workdir}/final", "--zero_stage", "2", "--reward"]},
 }
 """name -> {"script" ("trainer", the default, "accelerate" or "sft"), "config" (in tests/hf_trainer/),
 "args" ({config}, {workdir} filled in), "save_final" (the model saved in {workdir}/final),

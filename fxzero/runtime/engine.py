@@ -38,6 +38,7 @@ from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.host_memory import release_freed_host_memory
 from fxzero.runtime.optimizer import ShardedOptimizer
+from fxzero.runtime.outside_grads import GradientProbe
 from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
@@ -52,8 +53,9 @@ from fxzero.schedule.compiled import CompiledProgram
 
 __all__ = ["DeepSpeedEngine", "Engine", "Runners"]
 
-Compiler = Callable[[tuple, dict, bool], CompiledProgram]
-"""Compiles the program of one call, `(args, kwargs, forward_only)` (`fxzero.compiler.compile_program`, bound)."""
+Compiler = Callable[..., CompiledProgram]
+"""Compiles the program of one call, `(args, kwargs, forward_only, module=None)` (`fxzero.compiler.compile_program`,
+bound to the model; `module`: a module with the model's parameters to compile instead, a `GradientProbe`)."""
 
 
 class Runners(NamedTuple):
@@ -126,6 +128,9 @@ class Engine:
         self.deepspeed_stage: Optional[int] = None
         """The stage a DeepSpeed config asked for where fxzero runs another (0 runs as 1), else None."""
         self._no_sync = False  # inside engine.no_sync(): backwards keep their gradients unreduced
+        self._eager: set = set()  # program keys whose forward the trace cannot follow: run eagerly
+        self._warned_eager = False
+        self._probes: dict[tuple, Runners] = {}  # ([Note: gradients from outside the program])
         self._step_applied = False
         mp = config.mixed_precision
         self._user = UserModule(model, state, comm, compute_dtype=mp.param_dtype if mp is not None else None,
@@ -219,6 +224,19 @@ class Engine:
                           f"size: {fixed}. Each size compiles a program of its own (a trace each, and "
                           "Config.program_cache_size of them kept); pad those inputs to one size, or change the "
                           "code named there to compute from the tensor's size", stacklevel=4)
+        key = (family, compiled.shapes)
+        self._cache[key] = self._runners_of(compiled)
+        self._cache.move_to_end(key)
+        if len(self._cache) > self.config.program_cache_size:
+            evicted, _ = self._cache.popitem(last=False)
+            warnings.warn(f"[rank {self.rank}] {len(self._cache) + 1} programs exceed Config.program_cache_size="
+                          f"{self.config.program_cache_size}: evicted the least recently used (inputs "
+                          f"{evicted[1].describe()}); a run that cycles through more call signatures recompiles "
+                          "each time: raise the size", stacklevel=4)
+        return self._cache[key]
+
+    def _runners_of(self, compiled: CompiledProgram) -> Runners:
+        """A runner per program of `compiled`, bound to this rank."""
         gradless = frozenset(compiled.signature.gradless_fqns)
         update = lambda ins, *tensors: self._update(ins, gradless, *tensors)  # noqa: E731
         schedule, programs = compiled.schedule, compiled.programs
@@ -231,17 +249,8 @@ class Engine:
                                  activations=self._stash)
 
         sequence = collective_sequence(schedule) + self._update_collectives(schedule)
-        key = (family, compiled.shapes)
-        self._cache[key] = Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
-                                   sequence_digest(sequence))
-        self._cache.move_to_end(key)
-        if len(self._cache) > self.config.program_cache_size:
-            evicted, _ = self._cache.popitem(last=False)
-            warnings.warn(f"[rank {self.rank}] {len(self._cache) + 1} programs exceed Config.program_cache_size="
-                          f"{self.config.program_cache_size}: evicted the least recently used (inputs "
-                          f"{evicted[1].describe()}); a run that cycles through more call signatures recompiles "
-                          "each time: raise the size", stacklevel=4)
-        return self._cache[key]
+        return Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,
+                       sequence_digest(sequence))
 
     def _update_collectives(self, schedule) -> tuple[str, ...]:
         """The all-reduces the updates issue themselves, one per unit updated, for an optimizer
@@ -316,7 +325,29 @@ class Engine:
         leaves, spec = flatten_call(args, kwargs)
         if self._requires_grad.changed(self.rank):
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
-        runners = self._runners_for(args, kwargs, leaves, spec)
+            self._probes.clear()
+        family = self._key(leaves, spec)
+        if family in self._eager:
+            return self._eager_call(args, kwargs)
+        try:
+            runners = self._runners_for(args, kwargs, leaves, spec)
+        except ValueError as e:
+            if not getattr(e, "needs_values", False):
+                raise
+            if self._user.placeholders():  # (ZeRO-3: no rank holds these parameters' values)
+                e.args = (f"{e.args[0]}. (At ZeRO-3 the parameters are sharded, so such a forward cannot run "
+                          "eagerly either; at ZeRO-1/2, or with every unit held whole, fxzero runs it eagerly)",)
+                raise
+            self._eager.add(family)
+            if not self._warned_eager:
+                self._warned_eager = True
+                warnings.warn(f"{e.args[0].split(': fxzero traces')[0]}. Every rank holds the whole parameters "
+                              f"(ZeRO-{self.config.stage}), so fxzero runs this forward eagerly, as DeepSpeed does, and "
+                              "engine.backward reduces the gradients it leaves into the shards: it trains as "
+                              "the traced program would, but nothing of the forward and backward overlaps, and "
+                              "Config.activations does not apply to them ([Note: gradients from outside the "
+                              "program]). Trace it instead by removing the decision named", stacklevel=3)
+            return self._eager_call(args, kwargs)
         self._agree(runners)
         self._last = runners
         if torch.is_grad_enabled():
@@ -326,6 +357,56 @@ class Engine:
         return runners.compiled.signature.rebuild_outputs(outputs)
 
     forward = __call__
+
+    def _eager_call(self, args: tuple, kwargs: dict) -> Any:
+        """The model called as it is, on parameters that view what this rank holds ([Note:
+        gradients from outside the program]); floating inputs cast to the compute dtype, as the
+        traced programs cast them."""
+        agree(self.comm, ("the model's forward, run eagerly (no collectives)",), timeout=self.config.collective_timeout,
+              where="the start of this forward (run eagerly here: do the other ranks run a program?)")
+        mp = self.config.mixed_precision
+        if mp is not None:
+            args, kwargs = pytree.tree_map(
+                lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                (tuple(args), dict(kwargs)))
+        return self._model(*args, **kwargs)
+
+    def _carry_outside_gradients(self, params: dict[str, nn.Parameter]) -> None:
+        """Gradients the backward left on the module's own parameters (a forward run eagerly, a
+        module called directly) into the gradient shards, through a `GradientProbe`'s program
+        ([Note: gradients from outside the program])."""
+        grads = {}
+        for fqn, p in params.items():
+            if p.grad is not None:
+                grads[fqn], p.grad = p.grad, None
+        if len(self._user.placeholders()) == len(params):
+            return  # (every parameter sharded: no gradient can reach one, and every rank knows it)
+        names = list(params)
+        if self.world_size > 1:  # (a branch one rank's data took: zeros where the others have a gradient)
+            flags = torch.tensor([fqn in grads for fqn in names], dtype=torch.float32, device=self.device)
+            flags = self.control.union_over_ranks(flags, "which parameters have a gradient from outside the programs")
+            names = [fqn for fqn, flag in zip(names, flags.tolist()) if flag > 0]
+        else:
+            names = [fqn for fqn in names if fqn in grads]
+        if not names:
+            return
+        values = [grads[fqn] if fqn in grads else
+                  torch.zeros(params[fqn].shape, dtype=params[fqn].dtype, device=self.device) for fqn in names]
+        key = (tuple(names), tuple(v.dtype for v in values))
+        runners = self._probes.get(key)
+        if runners is None:
+            compiled = self._compile(tuple(values), {}, False, module=GradientProbe(self._model, names))
+            runners = self._probes[key] = self._runners_of(compiled)
+        self._agree(runners)
+        self._stepping = runners
+        if self._last is None:
+            self._last = runners
+        with torch.enable_grad():
+            (total,) = RunProgram.apply(self, runners, True, self._anchor, *values)
+        grads.clear()
+        values.clear()
+        total.backward()
+        self.state.settle_grads()  # (the step program of another forward may wait for none of them)
 
     def _run_forward(self, runners: Runners, inputs, for_backward: bool = True
                      ) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]], int]:
@@ -408,20 +489,11 @@ class Engine:
                              "each saved activation after its last use, so a second backward through the same "
                              "forward has nothing to read; run the forward again for each backward")
         params = self._user.params
-        for p in params.values():  # (fxzero's gradients live in its shards; a parameter's own .grad is unused)
-            p.grad = None
+        for p in params.values():  # (fxzero's gradients live in its shards; a parameter's own .grad is
+            p.grad = None          # set only outside the programs, and carried into the shards below)
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
         self.control.loss_to_backward(loss, scale_wrt_gas).backward()
-        stray = [fqn for fqn, p in params.items() if p.grad is not None]
-        if stray:
-            for fqn in stray:
-                params[fqn].grad = None
-            raise RuntimeError(
-                f"[rank {self.rank}] engine.backward(loss): the loss reached the model's parameters outside the "
-                f"engine's forward ({', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}): a module of the model "
-                "was called directly (model.layer(x), or the model itself), and fxzero trains through the engine's "
-                "program only, so those gradients would be dropped. Compute every term inside the model's forward "
-                "and call the engine: engine(x)")
+        self._carry_outside_gradients(params)
         self._log.loss(loss)
 
     @property

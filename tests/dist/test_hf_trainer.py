@@ -26,7 +26,8 @@ and records rank 0's Trainer log and the fingerprint of the model `save_model` w
   fused under GatheredParameters and the model saved by its ZeRO-3 gather loop after rank 0
   alone took the module's state dict; at ZeRO-3 with LoRA, with only LoRA trained and states
   offloaded and gradient checkpointing, at ZeRO-2, and DeepSpeed-Chat's DPO at ZeRO-3 (a second
-  engine in the process, the frozen reference with no optimizer).
+  engine in the process, the frozen reference with no optimizer); and its reward model at ZeRO-2,
+  whose forward walks its rows in Python and runs eagerly.
 
 Losses within 1e-5 of DeepSpeed's (they have been equal to the last bit), gradient norms and the
 saved weights' sums within 1e-5 relative (DeepSpeedCPUAdam's kernel rounds differently from
@@ -148,3 +149,19 @@ def test_deepspeed_chat_style_fine_tuning_trains_and_saves_as_deepspeed(name, tm
     moved = max(abs(got["fingerprint"][k][1] - initial[k][1]) / initial[k][1] for k in initial
                 if "embed" not in k and "lm_head" not in k)  # (the resized two have other shapes)
     assert moved > 1e-3, "the saved model is the fine-tuned one (LoRA fused in), not the pretrained one"
+
+
+def test_deepspeed_chat_style_reward_model_trains_eagerly_as_deepspeed(tmp_path, pretrained):
+    """train_sft.py --reward, DeepSpeed-Chat's reward model written its way, at ZeRO-2: its loss
+    walks the batch's rows in Python (each row's end found with `nonzero().item()`), a forward no
+    trace can follow, which fxzero runs eagerly ([Note: gradients from outside the program]). The
+    losses, the scores and the accuracy before and after, and the saved weights are DeepSpeed's."""
+    name = "sft-zero2-reward"
+    got = hf_trainer.launch("fxzero", name, str(tmp_path), sys.executable, pretrained)
+    _compare(name, got)
+    for g, w in zip(got["eval"], REFERENCE[name]["eval"]):
+        assert g["acc"] == w["acc"] and abs(g["chosen"] - w["chosen"]) <= 1e-5, (g, w)
+    initial = hf_trainer.fingerprint(pretrained)
+    moved = max(abs(got["fingerprint"]["rwtransformer." + k[len("model."):]][1] - initial[k][1]) / initial[k][1]
+                for k in initial if k.startswith("model.") and "embed" not in k)
+    assert moved > 1e-3, "the saved model is the trained one"

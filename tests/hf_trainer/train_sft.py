@@ -21,6 +21,11 @@ What it does, as that program does:
 - with `--dpo_beta`, DeepSpeed-Chat's DPO (step2_dpo_finetuning): a second engine in the process, the
   reference model built the same way with a config of no optimizer, in eval mode, its forward
   under no_grad; the loss from both engines' outputs;
+- with `--reward`, DeepSpeed-Chat's reward model (step2_reward_model_finetuning): the base model
+  (`AutoModel`) under a value head, each batch the chosen rows then the rejected ones, padded at
+  their ends; the loss walks the rows in Python, finding each row's end with `nonzero().item()`
+  and where the pair diverges, and scores each row by its last token's value (a forward no trace
+  can follow: fxzero runs it eagerly at ZeRO-2); evaluated by the mean scores and the accuracy;
 - at the end: LoRA fused into the weights inside GatheredParameters(modifier_rank=0) for the
   parameters with `ds_id` that are NOT_AVAILABLE, rank 0 alone saving the module's state dict
   (DeepSpeed gives placeholders there at ZeRO-3), and at ZeRO-3 every rank gathering each
@@ -45,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, get_scheduler
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 import deepspeed
@@ -82,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--dpo_beta", type=float, default=0.0,
                         help="> 0: DPO against a frozen reference copy (DeepSpeed-Chat's step2_dpo_finetuning)")
+    parser.add_argument("--reward", action="store_true",
+                        help="train a reward model on chosen/rejected pairs (DeepSpeed-Chat's step2_reward_model_finetuning)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
@@ -214,6 +221,61 @@ def pretrained(args: argparse.Namespace, ds_config: dict) -> nn.Module:
     return model
 
 
+class RewardModel(nn.Module):
+    """DeepSpeed-Chat's reward model, its way: a value head over the base model's last hidden
+    states; the batch is the chosen rows, then the rejected ones."""
+
+    def __init__(self, base: nn.Module, pad_id: int, num_padding_at_beginning: int = 0) -> None:
+        super().__init__()
+        self.config = base.config
+        self.v_head = nn.Linear(base.config.hidden_size, 1, bias=False)
+        self.rwtransformer = base
+        self.pad_id, self.num_padding_at_beginning = pad_id, num_padding_at_beginning
+
+    def _end(self, ids: torch.Tensor, length: int) -> int:
+        """Where the row's padding starts (past the pads it begins with), or its length."""
+        pads = (ids == self.pad_id).nonzero()
+        return pads[self.num_padding_at_beginning].item() if len(pads) > self.num_padding_at_beginning else length
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                use_cache: bool = False) -> dict:
+        hidden = self.rwtransformer(input_ids, attention_mask=attention_mask, use_cache=use_cache)[0]
+        rewards = self.v_head(hidden).squeeze(-1)
+        half, length = input_ids.shape[0] // 2, input_ids.shape[1]
+        loss, chosen_scores, rejected_scores = 0.0, [], []
+        for i in range(half):
+            chosen, rejected = input_ids[i], input_ids[half + i]
+            chosen_reward, rejected_reward = rewards[i], rewards[half + i]
+            chosen_end = self._end(chosen, length)
+            diverged = (chosen != rejected).nonzero()
+            if len(diverged) == 0:  # (the same text twice: its last score alone)
+                end = rejected_reward.size(-1)
+                start, rejected_end = end - 1, chosen_end
+            else:
+                rejected_end = self._end(rejected, length)
+                end, start = max(chosen_end, rejected_end), diverged[0]
+            loss = loss - F.logsigmoid(chosen_reward[start:end] - rejected_reward[start:end]).mean()
+            chosen_scores.append(chosen_reward[chosen_end - 1])
+            rejected_scores.append(rejected_reward[rejected_end - 1])
+        return {"loss": loss / half, "chosen_mean_scores": torch.stack(chosen_scores),
+                "rejected_mean_scores": torch.stack(rejected_scores)}
+
+
+def reward_pairs(samples: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen and rejected rows sharing a prompt, each padded (token 0) from its own length on."""
+    g = torch.Generator().manual_seed(9)
+    chosen = torch.randint(1, vocab, (samples, seq_len), generator=g)
+    rejected = chosen.clone()
+    prompt = seq_len // 2
+    rejected[:, prompt:] = torch.randint(1, vocab, (samples, seq_len - prompt), generator=g)
+    rejected[::4] = chosen[::4]  # (some pairs do not diverge)
+    for rows in (chosen, rejected):
+        ends = torch.randint(prompt + 2, seq_len + 1, (samples,), generator=g)
+        for row, end in zip(rows, ends.tolist()):
+            row[end:] = 0
+    return chosen, rejected
+
+
 def response_logps(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Each sequence's log-probability of its tokens from `start` on (the response)."""
     logps = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -230,8 +292,10 @@ def main() -> None:
     get_accelerator().manual_seed_all(args.seed)
     torch.distributed.barrier()
 
-    model = pretrained(args, ds_config)
     vocab = AutoConfig.from_pretrained(args.model_name_or_path).vocab_size + ADDED_TOKENS  # (the tokenizer's size)
+    if args.reward:
+        return train_reward_model(args, ds_config, rank, world_size, vocab)
+    model = pretrained(args, ds_config)
     if args.lora_dim > 0:
         model = to_lora(model, args.lora_module_name, args.lora_dim)
         if args.only_optimize_lora:
@@ -310,6 +374,64 @@ def main() -> None:
     if args.zero_stage == 3:
         save_zero3(engine, rank, path)
     if rank == 0:
+        print("TRAINER_LOG " + json.dumps(log), flush=True)
+
+
+def train_reward_model(args: argparse.Namespace, ds_config: dict, rank: int, world_size: int, vocab: int) -> None:
+    model_config = AutoConfig.from_pretrained(args.model_name_or_path)
+    model_config.attention_dropout = args.dropout
+    base = AutoModel.from_pretrained(args.model_name_or_path, config=model_config)
+    base.resize_token_embeddings(int(8 * math.ceil(vocab / 8.0)))
+    model = RewardModel(base, pad_id=0)
+    chosen, rejected = reward_pairs(args.samples, args.seq_len, vocab)
+    dataset = TensorDataset(chosen, rejected)
+    train = DataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=DistributedSampler(dataset))
+    held_out = TensorDataset(chosen[:8], rejected[:8])
+    evaluation_data = DataLoader(held_out, batch_size=2, sampler=DistributedSampler(held_out))
+
+    def batch(c: torch.Tensor, r: torch.Tensor) -> dict:
+        ids = torch.cat([c, r])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+    def evaluate(engine) -> dict:
+        engine.eval()
+        totals = torch.zeros(3)  # (chosen score, rejected score, correct pairs)
+        pairs = 0
+        for c, r in evaluation_data:
+            with torch.no_grad():
+                out = engine(**batch(c, r))
+            chosen_scores, rejected_scores = out["chosen_mean_scores"].float(), out["rejected_mean_scores"].float()
+            totals += torch.stack([chosen_scores.sum(), rejected_scores.sum(),
+                                   (chosen_scores > rejected_scores).float().sum()])
+            pairs += c.shape[0]
+        torch.distributed.all_reduce(totals)
+        chosen_mean, rejected_mean, acc = (totals / (pairs * world_size)).tolist()
+        engine.train()
+        return {"eval_loss": chosen_mean - rejected_mean, "chosen": chosen_mean, "rejected": rejected_mean,
+                "acc": acc}
+
+    optimizer = FusedAdam(grouped_parameters(model, args.weight_decay, args.lora_learning_rate),
+                          lr=args.learning_rate, betas=(0.9, 0.95))
+    updates = math.ceil(len(train) / args.gradient_accumulation_steps)
+    lr_scheduler = get_scheduler(name="cosine", optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
+                                 num_training_steps=updates)
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
+                                                              config=ds_config, lr_scheduler=lr_scheduler,
+                                                              dist_init_required=True)
+    log = {"log": [], "lrs": [], "eval": [{"step": 0, **evaluate(engine)}]}
+    start = time.perf_counter()
+    for step, (c, r) in enumerate(train, 1):
+        loss = engine(**batch(c, r), use_cache=False)["loss"]
+        engine.backward(loss)
+        engine.step()
+        log["log"].append({"step": step, "loss": loss.item()})
+        if step % args.gradient_accumulation_steps == 0:
+            log["lrs"] += lr_scheduler.get_last_lr()
+    log["train_runtime"] = time.perf_counter() - start
+    log["eval"].append({"step": step, **evaluate(engine)})
+    os.makedirs(args.output_dir, exist_ok=True)
+    if rank == 0:
+        torch.save(engine.module.state_dict(), os.path.join(args.output_dir, "pytorch_model.bin"))
         print("TRAINER_LOG " + json.dumps(log), flush=True)
 
 
