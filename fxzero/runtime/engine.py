@@ -38,7 +38,7 @@ from fxzero.runtime.comm import Pending
 from fxzero.runtime.executor import GatheredMemory, ProgramRunner
 from fxzero.runtime.host_memory import release_freed_host_memory
 from fxzero.runtime.optimizer import ShardedOptimizer
-from fxzero.runtime.outside_grads import GradientProbe
+from fxzero.runtime.outside_grads import GradientProbe, reaches
 from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
 from fxzero.runtime.requires_grad import GradWindow, RequiresGradWatch
@@ -130,6 +130,7 @@ class Engine:
         self._no_sync = False  # inside engine.no_sync(): backwards keep their gradients unreduced
         self._eager: set = set()  # program keys whose forward the trace cannot follow: run eagerly
         self._warned_eager = False
+        self._eager_forward = False  # a forward ran eagerly since the last backward (on every rank alike)
         self._probes: dict[tuple, Runners] = {}  # ([Note: gradients from outside the program])
         self._step_applied = False
         mp = config.mixed_precision
@@ -364,6 +365,7 @@ class Engine:
         traced programs cast them."""
         agree(self.comm, ("the model's forward, run eagerly (no collectives)",), timeout=self.config.collective_timeout,
               where="the start of this forward (run eagerly here: do the other ranks run a program?)")
+        self._eager_forward = True  # (on every rank alike: the next backward carries what it reaches)
         mp = self.config.mixed_precision
         if mp is not None:
             args, kwargs = pytree.tree_map(
@@ -371,7 +373,17 @@ class Engine:
                 (tuple(args), dict(kwargs)))
         return self._model(*args, **kwargs)
 
-    def _carry_outside_gradients(self, params: dict[str, nn.Parameter]) -> None:
+    def _announce_outside_gradients(self, loss: torch.Tensor, params: dict[str, nn.Parameter]) -> Any:
+        """Before the backward: start summing over the ranks whether this rank's backward reaches
+        the module's parameters; None where every rank already knows ([Note: gradients from
+        outside the program])."""
+        eager, self._eager_forward = self._eager_forward, False
+        if self.world_size == 1 or eager or len(self._user.placeholders()) == len(params):
+            return None
+        flag = torch.tensor([float(reaches(loss, params.values()))], device=self.device)
+        return self.control.sum_flags(flag)
+
+    def _carry_outside_gradients(self, params: dict[str, nn.Parameter], reached: Any) -> None:
         """Gradients the backward left on the module's own parameters (a forward run eagerly, a
         module called directly) into the gradient shards, through a `GradientProbe`'s program
         ([Note: gradients from outside the program])."""
@@ -381,10 +393,21 @@ class Engine:
                 grads[fqn], p.grad = p.grad, None
         if len(self._user.placeholders()) == len(params):
             return  # (every parameter sharded: no gradient can reach one, and every rank knows it)
+        if reached is not None and not self.control.flags_summed(reached, "whether a loss reached the model's "
+                                                                 "parameters outside the programs").item():
+            if grads:
+                raise RuntimeError(
+                    f"[rank {self.rank}] engine.backward(loss): the loss reached the model's parameters "
+                    f"({', '.join(list(grads)[:3])}) through a reentrant torch.utils.checkpoint region outside the "
+                    "engine's forward, which hides them from the graph until its backward runs, so the ranks could "
+                    "not agree to reduce those gradients. Use torch.utils.checkpoint(..., use_reentrant=False), or "
+                    "compute the term inside the model's forward")
+            return
         names = list(params)
         if self.world_size > 1:  # (a branch one rank's data took: zeros where the others have a gradient)
             flags = torch.tensor([fqn in grads for fqn in names], dtype=torch.float32, device=self.device)
-            flags = self.control.union_over_ranks(flags, "which parameters have a gradient from outside the programs")
+            flags = self.control.flags_summed(self.control.sum_flags(flags),
+                                              "which parameters have a gradient from outside the programs")
             names = [fqn for fqn, flag in zip(names, flags.tolist()) if flag > 0]
         else:
             names = [fqn for fqn in names if fqn in grads]
@@ -491,9 +514,10 @@ class Engine:
         params = self._user.params
         for p in params.values():  # (fxzero's gradients live in its shards; a parameter's own .grad is
             p.grad = None          # set only outside the programs, and carried into the shards below)
+        reached = self._announce_outside_gradients(loss, params)
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
         self.control.loss_to_backward(loss, scale_wrt_gas).backward()
-        self._carry_outside_gradients(params)
+        self._carry_outside_gradients(params, reached)
         self._log.loss(loss)
 
     @property

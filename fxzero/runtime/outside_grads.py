@@ -24,13 +24,20 @@ the reduce-scatter (or, accumulating locally, the full gradients kept), accumula
 shard held (a micro-step with both kinds of gradient adds them there, as two forwards into one
 loss do), float16 overflow checks, gradient offload; and its step program is the update.
 
-The ranks must run the same program. A parameter may have a gradient on one rank and none on
-another (a branch taken on one rank's data only), so every backward where some parameter is a
-view first sums, over the ranks, one flag per parameter (an uncounted all-reduce of a few
-hundred floats): a parameter with a gradient on some rank gets zeros where it has none (as DDP
-reduces), and one with a gradient on no rank is left out, so the update skips it as torch's
-optimizers skip a parameter whose `.grad` is None. Ranks where no parameter has one issue nothing
-more.
+The ranks must run the same program, so they agree first, in two steps:
+
+- Whether any rank's backward reaches the module's parameters. After a forward run eagerly every
+  rank knows (the ranks agreed on running it so at its start). Otherwise each rank walks its
+  loss's autograd graph for the parameters' gradient accumulators (`reaches`) before the
+  backward and the ranks sum that one flag, issued before the backward's reduce-scatters and
+  waited for after them: it does not wait for them, so the gradients still reach the step in
+  flight ([Note: gradients carried into the step] in `passes/step_program.py`). Where no rank's
+  does, nothing more happens: the cost of all this to a model trained through `engine(...)`
+  alone is that walk of a graph of a few nodes and one all-reduce of 4 bytes a backward.
+- Which parameters have a gradient: one flag per parameter summed over the ranks after the
+  backward. A parameter with a gradient on some rank gets zeros where it has none (as DDP
+  reduces), and one with a gradient on no rank is left out, so the update skips it as torch's
+  optimizers skip a parameter whose `.grad` is None.
 
 What it costs: the gradients live whole on every rank until the reduction (2 bytes per parameter
 in bf16, as DDP's), and the probe's forward reads every parameter once. What it does not give:
@@ -42,12 +49,31 @@ an error there.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
-__all__ = ["GradientProbe"]
+__all__ = ["GradientProbe", "reaches"]
+
+
+def reaches(loss: torch.Tensor, params: Iterable[torch.Tensor]) -> bool:
+    """Whether a backward from `loss` accumulates into one of `params`: its autograd graph holds
+    one of their gradient accumulators. (A reentrant `torch.utils.checkpoint` hides what its
+    region reaches until its own backward runs; `Engine.backward` says so where that happens.)"""
+    wanted = {id(p) for p in params}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # (an AccumulateGrad node's leaf)
+        if variable is not None and id(variable) in wanted:
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False
 
 
 class GradientProbe(nn.Module):

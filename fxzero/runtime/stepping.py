@@ -192,11 +192,14 @@ class StepControl:
         `comm_report()` as an all_reduce. A timeout is an error naming `what`."""
         return self._wait(self.comm.all_reduce(t), what, during="update")
 
-    def union_over_ranks(self, flags: torch.Tensor, what: str) -> torch.Tensor:
-        """`flags` summed over the ranks in place, for a choice every rank must make alike (which
-        parameters have a gradient: [Note: gradients from outside the program]); not counted in
-        `comm_report()`, as the agreement's own collectives are not."""
-        return self._wait(self.comm.all_reduce(flags, count=False), what, during="backward")
+    def sum_flags(self, flags: torch.Tensor) -> Any:
+        """Start summing `flags` over the ranks in place, for a choice every rank must make alike
+        ([Note: gradients from outside the program]); not counted in `comm_report()`, as the
+        agreement's own collectives are not. `flags_summed` waits for it."""
+        return self.comm.all_reduce(flags, count=False)
+
+    def flags_summed(self, pending: Any, what: str) -> torch.Tensor:
+        return self._wait(pending, what, during="backward")
 
     def _wait(self, pending, what: str, during: str = "agreement") -> torch.Tensor:
         """A step collective's result; a timeout is an error naming it."""

@@ -5,7 +5,8 @@
   whole): a reward model written as DeepSpeed-Chat's is (a loop over the batch's rows, each
   row's padding found with `nonzero().item()`), with a branch only rank 0's data takes, AdamW
   with weight decay, two micro-steps per update.
-- A loss term through a submodule called directly, beside the engine's output.
+- A loss term through a submodule called directly, beside the engine's output (on one rank only
+  in one step), and under a reentrant checkpoint, which hides it until its backward (an error).
 - DeepSpeedExamples' GAN loop: both networks called directly, two backwards into one step for the
   discriminator, the generator's loss through the discriminator's module.
 - At ZeRO-3, where the parameters are sharded, such a forward stays an error; ranks that would
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import fxzero
 from tests.dist.harness import run_ranks
@@ -96,6 +98,19 @@ class Discriminator(nn.Module):
         return self.net(x).view(-1)
 
 
+class Decides(nn.Module):
+    """Reads a value in Python (`eager`), or not: the same arithmetic either way."""
+
+    def __init__(self, eager: bool) -> None:
+        super().__init__()
+        self.eager = eager
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if not self.eager or x.sum().item() > -1e9 else 2.0
+        return (self.b(torch.tanh(self.a(x))) * scale).square().mean()
+
+
 def _gan_models() -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(1)
     return Generator(), Discriminator()
@@ -141,6 +156,24 @@ def _ranks(rank: int, world_size: int) -> dict:
                                 "losses": losses, "steps": engine.global_steps,
                                 "warnings": [str(w.message) for w in caught if "eagerly" in str(w.message)]}
 
+    # The same model run eagerly and as a program (its Python decision made a constant) under
+    # features that act on the gradients: clipping with local accumulation, gradients and
+    # optimizer states in host memory, gradients summed over the ranks
+    for name, extra in (("clip-local", dict(gradient_clipping=0.05, gradient_accumulation="local")),
+                        ("offloaded", dict(offload=fxzero.Offload(optimizer=fxzero.Cpu(), grads=fxzero.Cpu()))),
+                        ("summed", dict(gradient_reduction="sum"))):
+        for mode in ("eager", "program"):
+            torch.manual_seed(0)
+            net = Decides(eager=mode == "eager")
+            engine = fxzero.compile(net, fxzero.Config(stage=2, optimizer=fxzero.AdamW(**HP), cost_model=None,
+                                                       **extra, gradient_accumulation_steps=MICRO))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for i in range(STEPS * MICRO):
+                    engine.backward(engine(torch.full((2, 4), 0.1 * (i + 1) + rank)))
+                    engine.step()
+            out["alike", name, mode] = {k: v.clone() for k, v in net.state_dict().items()}
+
     # bf16 mixed precision, ZeRO-2: the inputs cast as the programs cast them, gradients reduced in fp32
     model = _reward_model()
     engine = fxzero.compile(model, fxzero.Config(stage=2, optimizer=fxzero.AdamW(**HP), cost_model=None,
@@ -170,10 +203,16 @@ def _ranks(rank: int, world_size: int) -> dict:
     net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     engine = fxzero.compile(net, fxzero.Config(stage=2, optimizer=fxzero.SGD(lr=0.1), cost_model=None))
     x = torch.arange(8.0).view(2, 4) / 8 + rank
-    for _ in range(STEPS):
-        engine.backward(engine(x).sum() + net[0](x).square().sum())
+    for step in range(STEPS):  # (the second step's term on rank 0 alone: rank 1 adds zeros)
+        direct = net[0](x).square().sum() if step == 0 or rank == 0 else 0
+        engine.backward(engine(x).sum() + direct)
         engine.step()
     out["aux"] = {k: v.clone() for k, v in net.state_dict().items()}
+    try:  # (a reentrant checkpoint hides the parameters it reaches from the graph walked before the backward)
+        region = torch.utils.checkpoint.checkpoint(net[0], x.clone().requires_grad_(), use_reentrant=True)
+        engine.backward(engine(x).sum() + region.sum())
+    except RuntimeError as e:
+        out["reentrant"] = str(e)
 
     # DeepSpeedExamples' GAN, both networks under ZeRO-2 engines, called directly
     netG, netD = _gan_models()
@@ -300,6 +339,17 @@ def test_a_forward_the_trace_cannot_follow_trains_eagerly_as_eager_pytorch(ranks
             assert f"(ZeRO-{stage}), so fxzero runs this forward eagerly" in message
 
 
+@pytest.mark.parametrize("name", ["clip-local", "offloaded", "summed"])
+def test_an_eager_forward_trains_as_the_same_model_as_a_program(ranks, name):
+    """Clipping over local accumulation, gradients and optimizer states in host memory, and
+    gradients summed over the ranks act on the gradients from outside the program as on a
+    program's: the same weights bit for bit."""
+    for result in ranks:
+        eager, program = result["alike", name, "eager"], result["alike", name, "program"]
+        for key, value in program.items():
+            torch.testing.assert_close(eager[key], value, rtol=0, atol=0, msg=key)
+
+
 def test_bf16_eager_forward_trains_with_fp32_masters(ranks):
     """Mixed precision: bf16 compute from bf16 inputs, fp32 masters; within bf16's resolution of
     the fp32 reference after two AdamW updates."""
@@ -329,16 +379,24 @@ def test_a_term_through_a_submodule_called_directly_is_added_to_the_engines(rank
     params = list(net.parameters())
     opt = torch.optim.SGD(params, lr=0.1)
     xs = [torch.arange(8.0).view(2, 4) / 8 + r for r in range(2)]
-    for _ in range(STEPS):
+    for step in range(STEPS):
         engine_terms = _averaged([list(torch.autograd.grad(net(x).sum(), params)) for x in xs])
         direct_terms = _averaged([list(torch.autograd.grad(net[0](x).square().sum(), params[:2])) + [None, None]
-                                  for x in xs])
+                                  if step == 0 or r == 0 else [None] * 4 for r, x in enumerate(xs)])
         for p, a, b in zip(params, engine_terms, direct_terms):
             p.grad = a if b is None else a + b  # (the engine's gradient shard, then the direct term's added)
         opt.step()
     for result in ranks:
         for name, value in net.state_dict().items():
             torch.testing.assert_close(result["aux"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_term_under_a_reentrant_checkpoint_outside_the_engine_is_an_error_on_every_rank(ranks):
+    for rank, result in enumerate(ranks):
+        message = result["reentrant"]
+        assert message.startswith(f"[rank {rank}] engine.backward(loss): the loss reached the model's parameters "
+                                  "(0.weight, 0.bias) through a reentrant torch.utils.checkpoint region"), message
+        assert "use_reentrant=False" in message
 
 
 def test_deepspeed_examples_gan_loop_trains_both_networks(ranks):
