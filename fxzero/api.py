@@ -38,6 +38,7 @@ from fxzero.runtime.optimizer import ShardedOptimizer, param_groups
 from fxzero.runtime.state import RankState
 from fxzero.runtime.storage.disk_probe import nvme_placements, with_measured_disks
 from fxzero.runtime.storage.offload_store import OffloadStore, bytes_on_tiers, ranks_per_host
+from fxzero.runtime.ties import mirror_ties, tie_groups
 from fxzero.units import persistence_differences, persistent_units
 
 __all__ = ["compile"]
@@ -105,14 +106,25 @@ def _init_record(model: nn.Module) -> Any:
     return held[0] if held else None
 
 
-def _agree_on_values(comm: Any, given: bool, seeded: bool, holder: Optional[int]) -> None:
+def _agree_on_values(comm: Any, model: nn.Module, given: bool, seeded: bool, holder: Optional[int]) -> None:
     """Every rank takes the model's values from the same source, or every rank raises (rather
-    than each waiting in a different collective)."""
+    than each waiting in a different collective); and every rank's model ties the holder's
+    parameters ([Note: tied weights on every rank alike] in `fxzero/runtime/ties.py`)."""
     if comm.world_size == 1:
         return
     mine = ("state_dict" if given else f"rank {holder}'s model" if holder is not None
             else "the model's own init, replayed" if seeded else "rank 0's model, broadcast")
-    sources = comm.all_gather_object(mine)
+    seen = comm.all_gather_object((mine, tie_groups(model)))
+    sources = [source for source, _ in seen]
+    ties = [groups for _, groups in seen]
+    if len(set(sources)) == 1 and len(set(ties)) > 1:
+        if holder is not None:
+            mirror_ties(model, ties[holder])
+        else:
+            where = "; ".join(f"ranks {[r for r, x in enumerate(ties) if x == t]}: {list(t) or 'none'}"
+                              for t in dict.fromkeys(ties))
+            raise RuntimeError(f"[rank {comm.rank}] the ranks' models tie different parameters ({where}): build "
+                               "the model alike on every rank (the same code ties the same weights)")
     if len(set(sources)) > 1:
         where = "; ".join(f"ranks {[r for r, x in enumerate(sources) if x == s]}: {s}"
                           for s in dict.fromkeys(sources))
@@ -153,7 +165,7 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
     holder = record.held_by if record is not None and state_dict is None else None  # (whole on one rank since a
     # gather before initialize: [Note: gathering before initialize] in fxzero/zero.py)
     seeded = state_dict is None and record is None and any(p.is_meta for p in model.parameters())
-    _agree_on_values(comm, state_dict is not None, seeded, holder)
+    _agree_on_values(comm, model, state_dict is not None, seeded, holder)
     warn_ineffective(ineffective_settings(config, world_size=comm.world_size, cuda=torch.cuda.is_available(),
                                           initialized_from_seed=seeded))
     warn_once(slow_settings(config, cuda=torch.cuda.is_available()), SlowSetting)

@@ -98,6 +98,12 @@ class InitRecord:
 _BUILT_IN: dict[int, tuple[str, "weakref.ref[nn.Module]"]] = {}
 """id(parameter) -> (its name, the model built under `Init` that holds it, weakly). Not the
 parameter itself: `torch.utils.swap_tensors` refuses a tensor that has a weak reference."""
+
+_BUILT_BY = "_fxzero_built_under_init"
+"""The attribute of a parameter built under `Init` holding its `_BUILT_IN` entry: what it was
+built in stays with the object (an id can be reused; a module attribute reassigned), so a
+parameter replaced in its module (transformers' `resize_token_embeddings` sets the embedding's
+new weight while the head still holds the old, tied one) is still its model's on every rank."""
 _OPEN_BLOCKS: list["Init"] = []
 """The `Init` blocks being executed (construction under way)."""
 
@@ -177,7 +183,7 @@ class Init:
         for root in roots:  # each root's init, replayed as eager construction ran it, in order
             setattr(root, _RECORD, InitRecord(state, self.config))
             for index, (name, p) in enumerate(root.named_parameters()):
-                _BUILT_IN[id(p)] = (name, weakref.ref(root))
+                _BUILT_IN[id(p)] = p.__dict__[_BUILT_BY] = (name, weakref.ref(root))
                 mark_zero3(p, index, tuple(p.shape), persist=False, available=False)
             state = rng_after_construction(root, state)
         torch.random.set_rng_state(state)  # where eager construction would have left the RNG
@@ -215,16 +221,10 @@ class ZeRORuntimeException(Exception):
 
 
 def _built_under_init(param: torch.Tensor) -> Optional[nn.Module]:
-    """The model built under `Init` that holds `param`, or None."""
-    entry = _BUILT_IN.get(id(param))
-    root = entry[1]() if entry is not None else None
-    if root is None:
-        return None
-    try:
-        held = root.get_parameter(entry[0])
-    except AttributeError:  # (the module holding it was replaced since)
-        return None
-    return root if held is param else None  # (else another parameter that had this id)
+    """The model built under `Init` that `param` was built in (and belongs to while it lives, held
+    by that model's modules or not), or None."""
+    entry = param.__dict__.get(_BUILT_BY)
+    return entry[1]() if entry is not None else None
 
 
 def _swap_in(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -158,12 +158,18 @@ class UserModule:
         self._engine: Any = None  # a weak reference to the engine, set by it
         self._hooks = []
         pre, post = _function(self._state_dict_pre_hook), _function(self._state_dict_post_hook)
-        refuse = _function(self._refuse_placeholders)
+        before, after = _function(self._direct_call_start), _function(self._direct_call_end)
+        self._direct: list[Optional[list[str]]] = []  # what each direct call in progress gathered
+        self._units_owned: dict[str, list[str]] = {}  # module FQN -> the units all of whose parameters are under it
+        for layout in state.layouts:
+            self._units_owned.setdefault(_common_module(slot.fqn for slot in layout.slots), []).append(layout.name)
         for module in model.modules():
             self._hooks.append(module.register_state_dict_pre_hook(pre))
             self._hooks.append(module.register_state_dict_post_hook(post))
-            if any(p is not None for p in module._parameters.values()):
-                self._hooks.append(module.register_forward_pre_hook(refuse))
+            if any(p is not None for p in module._parameters.values()) or \
+                    self._module_fqn.get(id(module)) in self._units_owned:
+                self._hooks.append(module.register_forward_pre_hook(before))
+                self._hooks.append(module.register_forward_hook(after, always_call=True))
         self.bind(force=True)
 
     @property
@@ -313,14 +319,72 @@ class UserModule:
 
     # -- direct calls -----------------------------------------------------------------------
 
-    def _refuse_placeholders(self, module: nn.Module, args: Any) -> None:
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta and binding_of(p) is not None:
-                raise RuntimeError(
-                    f"[rank {self.comm.rank}] {type(module).__name__} ({self._module_fqn.get(id(module)) or 'the model'})"
-                    f" was called directly, but its parameter {name!r} is sharded across the ranks (ZeRO-3): no rank "
-                    "holds its value. Call the engine instead (engine(...) gathers each unit as it computes), or "
-                    "gather for eager use on every rank: with fxzero.zero.GatheredParameters(model.parameters()): ...")
+    def _direct_call_start(self, module: nn.Module, args: Any) -> None:
+        """[Note: calling a ZeRO-3 model directly]
+        A module whose parameters are sharded (ZeRO-3 placeholders) can be called directly under
+        `torch.no_grad()` (Hugging Face's `generate`, an evaluation loop, DeepSpeed-Chat's
+        generation from its actor at ZeRO-3), as under DeepSpeed's hooks: for the call, the units
+        this module is (its layout's name), and those holding its own parameters, are gathered in
+        the compute dtype, every rank gathering alike (a collective, agreed first); at its end
+        they are placeholders again. A unit is gathered by the innermost module holding all its
+        parameters: a decoder layer's call gathers its unit once for all its Linear layers, the
+        transformer's its embeddings for its whole forward; at most the units on the call stack
+        are whole at once. With gradients
+        enabled it is an error: a backward through the module would need the units again, and
+        its gradients would reach no shard; call the engine."""
+        fqn = self._module_fqn.get(id(module), "")
+        units = list(self._units_owned.get(fqn, []))
+        units += [u for name, p in module._parameters.items() if p is not None and p.is_meta
+                  and binding_of(p) is not None for u in self.units_of.get(binding_of(p)[1], [])]
+        wanted = [slot.fqn for layout in self._units_named(units) for slot in layout.slots
+                  if self.params[slot.fqn].is_meta and slot.fqn not in self._gathered and self._in_place(slot.fqn)]
+        if not wanted:
+            self._direct.append(None)
+            return
+        if torch.is_grad_enabled():
+            name = next(n for n, p in module._parameters.items() if p is not None and p.is_meta) \
+                if any(p is not None and p.is_meta for p in module._parameters.values()) else wanted[0]
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] {type(module).__name__} ({fqn or 'the model'}) was called directly with "
+                f"gradients enabled, but its parameter {name!r} is sharded across the ranks (ZeRO-3): a backward "
+                "through it would reach no gradient shard. Call the engine (engine(...) gathers each unit as it "
+                "computes, forward and backward); under torch.no_grad() (generation, evaluation) a direct call "
+                "gathers each unit for its forward; or gather for eager use on every rank: with "
+                "fxzero.zero.GatheredParameters(model.parameters()): ...")
+        what = f"{type(module).__name__} ({fqn or 'the model'}) called directly under no_grad"
+        tiles: dict[str, torch.Tensor] = {}
+        for layout, flat in self.gather(wanted, compute=True, what=what):
+            for slot in layout.slots:
+                if slot.fqn in wanted:
+                    value = slot.read_into(flat, tiles) if slot.param_shape is not None else \
+                        flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    _set(self.params[slot.fqn], value)
+        self._gathered.update(wanted)
+        self._direct.append(wanted)
+
+    def _direct_call_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        wanted = self._direct.pop() if self._direct else None
+        if not wanted:
+            return
+        self._gathered.difference_update(wanted)
+        for fqn in wanted:
+            layout, slot = self.slot[fqn]
+            dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
+            _set(self.params[fqn], torch.empty(slot.full_shape, dtype=dtype, device="meta"))
+
+    def _in_place(self, fqn: str) -> bool:
+        """Whether the model holds this parameter itself now: not while a trace swaps values in
+        (`torch.func.functional_call`), when its modules run on what the trace gives them."""
+        owner, _, name = fqn.rpartition(".")
+        try:
+            module = self.model.get_submodule(owner) if owner else self.model
+        except AttributeError:
+            return False
+        return module._parameters.get(name) is self.params[fqn]
+
+    def _units_named(self, names: Iterable[str]) -> list[UnitLayout]:
+        wanted = set(names)
+        return [layout for layout in self.state.layouts if layout.name in wanted]
 
     # -- GatheredParameters -----------------------------------------------------------------
 
@@ -375,6 +439,18 @@ _GATHERED = "GatheredParameters"
 
 class OtherRanksElsewhere(Exception):
     """A yielding gather's other ranks are at other collectives: it gathered nothing."""
+
+
+def _common_module(fqns: Iterable[str]) -> str:
+    """The innermost module holding every parameter named ("" for the model)."""
+    paths = [fqn.split(".")[:-1] for fqn in fqns]
+    common = paths[0] if paths else []
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common)
 
 
 def _function(method):

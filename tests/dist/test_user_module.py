@@ -68,12 +68,20 @@ def _case(rank: int, stage: int, dtype, root: str) -> dict:
     model.save_pretrained(pretrained, is_main_process=rank == 0)
     engine.save_checkpoint(os.path.join(root, f"ckpt-{stage}-{dtype}"))
     ids = _batch(g, rank)
-    try:
-        with torch.no_grad():
-            out["direct"] = model(input_ids=ids).logits
-        out["engine"] = engine(input_ids=ids).logits
-    except RuntimeError as e:
-        out["direct_error"] = str(e)
+    with torch.no_grad():  # (at ZeRO-3: each unit gathered for its module's call, as DeepSpeed's hooks do)
+        out["direct"] = model(input_ids=ids).logits
+    out["placeholders_after"] = model.transformer.h[0].mlp.c_fc.weight.is_meta
+    # Hugging Face's generate calls the model directly under no_grad (DeepSpeed-Chat's PPO generates
+    # so from its actor); at ZeRO-3 every rank steps until all are done (synced_gpus), as under DeepSpeed
+    out["generated"] = model.generate(input_ids=ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                      synced_gpus=stage == 3)
+    out["prompt"] = ids[:, :4]
+    out["engine"] = engine(input_ids=ids).logits
+    if stage == 3:
+        try:
+            model(input_ids=ids)  # (with gradients: a backward would reach no shard)
+        except RuntimeError as e:
+            out["direct_error"] = str(e)
     if stage == 3:
         # A state_dict() on one rank while the other runs a forward: both raise, neither hangs.
         try:
@@ -132,17 +140,26 @@ def test_save_pretrained_writes_the_trained_weights_as_fxzero_export_does(runs, 
 
 
 def test_direct_calls_use_the_trained_weights_or_refuse_at_stage_3(runs):
+    """Called directly under no_grad the module computes with the trained weights, as the engine
+    does; at ZeRO-3 each unit is gathered for its module's call and is a placeholder again after
+    ([Note: calling a ZeRO-3 model directly]); with gradients enabled that is an error."""
     _, ranks = runs
     for case, (stage, dtype) in enumerate(CASES):
         for rank, result in enumerate(ranks):
             r = result[case]
+            tol = dict(rtol=0, atol=0) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(r["direct"].to(torch.float32), r["engine"].to(torch.float32), **tol)
+            assert r["placeholders_after"] == (stage == 3)
+            if dtype is None:  # (the trained fp32 weights in an eager model generate the same tokens)
+                eager = _gpt2()
+                eager.load_state_dict(ranks[0][case]["masters"])
+                want = eager.generate(input_ids=r["prompt"], max_new_tokens=3, do_sample=False, pad_token_id=0)
+                assert torch.equal(r["generated"], want), (stage, rank)
             if stage == 3:
-                assert "direct" not in r
-                assert "sharded across the ranks (ZeRO-3)" in r["direct_error"] and "GatheredParameters" in \
-                    r["direct_error"] and r["direct_error"].startswith(f"[rank {rank}]")
-            else:  # the module computes with the trained weights, as the engine does
-                tol = dict(rtol=0, atol=0) if dtype is None else dict(rtol=2e-2, atol=2e-2)
-                torch.testing.assert_close(r["direct"].to(torch.float32), r["engine"].to(torch.float32), **tol)
+                message = r["direct_error"]
+                assert message.startswith(f"[rank {rank}] GPT2Model (transformer) was called directly with "
+                                          "gradients enabled") and "sharded across the ranks (ZeRO-3)" in message
+                assert "torch.no_grad()" in message and "GatheredParameters" in message
 
 
 def test_a_state_dict_on_one_rank_alone_is_an_error_on_every_rank(runs):

@@ -239,3 +239,76 @@ def test_a_wrapper_around_a_held_model_takes_the_holders_values_and_lopsided_mod
         message = r["lopsided"]
         assert message.startswith(f"[rank {rank}] the ranks' models would take their values from different places")
         assert "ranks [0]: rank 0's model, broadcast" in message and "ranks [1]: the model's own init, replayed" in message
+
+
+class TiedNet(Net):
+    """Net with a head tied to the embedding (a language model's)."""
+
+    def __init__(self, vocab: int = 12) -> None:
+        super().__init__(vocab)
+        self.head = nn.Linear(8, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids)).mean(dim=1)[:, :3] + super().forward(ids)
+
+
+def _loaded_tied_on_holder(rank: int) -> nn.Module:
+    """from_pretrained of a checkpoint holding both the embedding and its tied head (a .bin writes
+    both names) at ZeRO-3: transformers ties the pair where it can compare their values (the
+    holder) and skips it where both are on the meta device (the other ranks)."""
+    torch.manual_seed(5)
+    with fxzero.zero.Init(config_dict_or_path=DS):
+        model = TiedNet()
+    with torch.no_grad(), fxzero.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if rank == 0:
+            for p in model.parameters():
+                p.fill_(0.5)
+    if rank == 0:
+        model.head.weight = model.embed.weight
+    return model
+
+
+def _tied(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    model = _loaded_tied_on_holder(rank)
+    out["tied_before"] = model.head.weight is model.embed.weight
+    engine, *_ = fxzero.initialize(model=model, config=DS)
+    out["tied_after"] = model.head.weight is model.embed.weight
+    _train(engine, rank)
+    out["full"] = engine.full_state_dict()
+    torch.manual_seed(5)
+    eager = TiedNet()  # (the same model built with values on every rank, tied by its own code)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.fill_(0.5)
+    eager.head.weight = eager.embed.weight
+    engine, *_ = fxzero.initialize(model=eager, config=DS)
+    _train(engine, rank)
+    out["eager_full"] = engine.full_state_dict()
+    # transformers' resize_token_embeddings: the embedding's weight replaced (the head still holds
+    # the old one, tied), then the head's weight gathered: every rank must gather the same thing
+    model = _loaded_tied_on_holder(rank)
+    old = model.embed
+    new = nn.Embedding(16, 8, device=old.weight.device)
+    with torch.no_grad(), fxzero.zero.GatheredParameters([old.weight, new.weight], modifier_rank=0):
+        new.weight[:12] = old.weight
+    with fxzero.zero.GatheredParameters([old.weight, new.weight], modifier_rank=0):
+        old.weight = new.weight
+    with fxzero.zero.GatheredParameters([model.head.weight], modifier_rank=None):
+        out["old_head"] = model.head.weight.clone()
+    return out
+
+
+def test_weights_tied_on_the_holder_alone_are_tied_on_every_rank():
+    """Before: rank 1's model had one parameter more than rank 0's, and initialize waited in
+    mismatched collectives until the timeout; the head gathered after the embedding was replaced
+    was the held model's on rank 1 and a loose parameter on rank 0 (the same wait)."""
+    ranks = run_ranks(_tied, 2, timeout_s=240)
+    assert [r["tied_before"] for r in ranks] == [True, False]
+    for r in ranks:
+        assert r["tied_after"]
+        assert set(r["full"]) == set(r["eager_full"])
+        assert torch.equal(r["full"]["head.weight"], r["full"]["embed.weight"])  # (one parameter, trained once)
+        for name, value in r["eager_full"].items():
+            assert torch.equal(r["full"][name], value), name
+        assert torch.equal(r["old_head"], torch.full((12, 8), 0.5))
