@@ -161,6 +161,7 @@ class UserModule:
         before, after = _function(self._direct_call_start), _function(self._direct_call_end)
         self._direct: list[Optional[list[str]]] = []  # what each direct call in progress gathered
         self._units_owned: dict[str, list[str]] = {}  # module FQN -> the units all of whose parameters are under it
+        self._sharded = any(layout.name not in state.whole for layout in state.layouts)
         for layout in state.layouts:
             self._units_owned.setdefault(_common_module(slot.fqn for slot in layout.slots), []).append(layout.name)
         for module in model.modules():
@@ -332,6 +333,9 @@ class UserModule:
         are whole at once. With gradients
         enabled it is an error: a backward through the module would need the units again, and
         its gradients would reach no shard; call the engine."""
+        self._direct.append(None)  # (popped by the call's end hook, which runs whatever happens)
+        if not self._sharded:  # (ZeRO-1/2: every parameter is a view already)
+            return
         fqn = self._module_fqn.get(id(module), "")
         units = list(self._units_owned.get(fqn, []))
         units += [u for name, p in module._parameters.items() if p is not None and p.is_meta
@@ -339,7 +343,6 @@ class UserModule:
         wanted = [slot.fqn for layout in self._units_named(units) for slot in layout.slots
                   if self.params[slot.fqn].is_meta and slot.fqn not in self._gathered and self._in_place(slot.fqn)]
         if not wanted:
-            self._direct.append(None)
             return
         if torch.is_grad_enabled():
             name = next(n for n, p in module._parameters.items() if p is not None and p.is_meta) \
@@ -360,7 +363,7 @@ class UserModule:
                         flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     _set(self.params[slot.fqn], value)
         self._gathered.update(wanted)
-        self._direct.append(wanted)
+        self._direct[-1] = wanted
 
     def _direct_call_end(self, module: nn.Module, args: Any, output: Any) -> None:
         wanted = self._direct.pop() if self._direct else None

@@ -82,6 +82,9 @@ def _case(rank: int, stage: int, dtype, root: str) -> dict:
             model(input_ids=ids)  # (with gradients: a backward would reach no shard)
         except RuntimeError as e:
             out["direct_error"] = str(e)
+        with torch.no_grad():  # (after the refused call: nothing left gathered, nothing released early)
+            out["direct_again"] = model(input_ids=ids).logits
+        out["placeholders_again"] = model.transformer.h[0].mlp.c_fc.weight.is_meta
     if stage == 3:
         # A state_dict() on one rank while the other runs a forward: both raise, neither hangs.
         try:
@@ -160,6 +163,7 @@ def test_direct_calls_use_the_trained_weights_or_refuse_at_stage_3(runs):
                 assert message.startswith(f"[rank {rank}] GPT2Model (transformer) was called directly with "
                                           "gradients enabled") and "sharded across the ranks (ZeRO-3)" in message
                 assert "torch.no_grad()" in message and "GatheredParameters" in message
+                assert torch.equal(r["direct_again"], r["direct"]) and r["placeholders_again"]
 
 
 def test_a_state_dict_on_one_rank_alone_is_an_error_on_every_rank(runs):
