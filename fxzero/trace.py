@@ -103,6 +103,21 @@ def _fake_like(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool = Fals
     return out.requires_grad_(requires_grad)
 
 
+def _available_like(stand_in: torch.Tensor, param: torch.Tensor) -> None:
+    """Give a parameter's stand-in in the trace the DeepSpeed attributes `param` has, available:
+    in the program every parameter is whole where it is used, so code that checks
+    `p.ds_status` before gathering (TRL's fused LM-head loss, PEFT's merge) takes the gathered
+    path, where reading the attribute from a plain tensor would fail ([Note: the DeepSpeed
+    attributes of a parameter] in `fxzero/runtime/user_module.py`)."""
+    status = param.__dict__.get("ds_status")
+    if status is None:
+        return
+    for attr, value in param.__dict__.items():
+        if attr.startswith("ds_"):
+            setattr(stand_in, attr, value)
+    stand_in.ds_status = type(status).AVAILABLE
+
+
 def _input_fake(mode: FakeTensorMode, t: torch.Tensor, index: int) -> torch.Tensor:
     """A fake CPU input with t's shape and dtype: the dims marked dynamic symbolic, the others
     the example's sizes. Symbolic inputs are traced contiguous (their programs read sizes only)."""
@@ -353,6 +368,8 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         for i, x in zip(tensor_at, fi):
             call[i] = x
         args, kw = pytree.tree_unflatten(call, in_spec)
+        for fqn, stand_in in zip(param_fqns, fp):
+            _available_like(stand_in, params[fqn])
         state = {**dict(zip(param_fqns, fp)), **dict(zip(buffer_fqns, fb))}
         return torch.func.functional_call(model, state, args, kw, strict=True)
 

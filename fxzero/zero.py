@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import weakref
 from typing import Any, Iterable, Optional, Union
@@ -66,7 +67,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import torch.nn as nn
 
-from fxzero.config.notices import warn_ineffective
+from fxzero.config.notices import warn_ineffective, warn_once
 from fxzero.runtime.init_replay import initial_values, rng_after_construction
 from fxzero.runtime.materialize import rng_from
 from fxzero.runtime.user_module import ZeroParamStatus, binding_of, mark_zero3
@@ -185,8 +186,54 @@ class Init:
             for index, (name, p) in enumerate(root.named_parameters()):
                 _BUILT_IN[id(p)] = p.__dict__[_BUILT_BY] = (name, weakref.ref(root))
                 mark_zero3(p, index, tuple(p.shape), persist=False, available=False)
+            hook = functools.partial(_empty_where_not_held, weakref.ref(root))
+            for module in root.modules():
+                module.register_state_dict_post_hook(hook)
             state = rng_after_construction(root, state)
         torch.random.set_rng_state(state)  # where eager construction would have left the RNG
+
+
+def _empty_where_not_held(root_ref: "weakref.ref[nn.Module]", module: nn.Module, state_dict: dict, prefix: str,
+                          local_metadata: Any) -> None:
+    """[Note: a state_dict() before initialize]
+    Before `initialize`, a model built under `zero.Init` has values only where a rank holds it
+    ([Note: gathering before initialize]); elsewhere its tensors are meta placeholders, which
+    code written for DeepSpeed cannot read (TRL's `hash_module` copies each to the CPU before
+    training when the reference log-probabilities are precomputed). DeepSpeed's partitioned
+    parameters are empty tensors there, on every rank. So in such a `state_dict()` a tensor this
+    rank does not hold is an empty one of its dtype, as DeepSpeed's: on every rank before the
+    model's first gather (transformers lists the keys so before loading a checkpoint), and on
+    the ranks other than its holder after, with a one-time warning naming the way to the
+    values (the holder's are its values). After `initialize` the engine's
+    hooks give every value ([Note: the user's module] in `fxzero/runtime/user_module.py`)."""
+    root = root_ref()
+    first = next(root.parameters(), None) if root is not None else None
+    if first is None or binding_of(first) is not None:  # (initialized: every parameter is bound)
+        return
+    emptied = 0
+    for key, value in list(state_dict.items()):
+        if not (key.startswith(prefix) and isinstance(value, torch.Tensor) and value.is_meta):
+            continue
+        rel = key[len(prefix):]
+        owner, _, name = rel.rpartition(".")
+        try:
+            holder_module = module.get_submodule(owner) if owner else module
+        except AttributeError:
+            continue
+        own = holder_module._parameters.get(name, holder_module._buffers.get(name))
+        if own is value:  # (state_dict(keep_vars=True): the tensors themselves are asked for)
+            continue
+        state_dict[key] = torch.empty(0, dtype=value.dtype)
+        emptied += 1
+    record = init_record(root)
+    if emptied and record is not None and record.held_by is not None:  # (else empty on every rank alike)
+        rank, _ = _rank_and_world()
+        warn_once([f"[rank {rank}] state_dict() of a model built under zero.Init, before fxzero.initialize, on a "
+                   f"rank that does not hold it (rank {record.held_by} holds it whole since its first gather): "
+                   "its tensors are empty (numel 0) in it, as DeepSpeed's "
+                   "partitioned parameters are. For their values gather on every rank with "
+                   "fxzero.zero.GatheredParameters(model.parameters()), or call state_dict() after initialize"],
+                  UserWarning, stacklevel=4)
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Any, *args: Any, **kwargs: Any) -> Any:

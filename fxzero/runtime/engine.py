@@ -46,6 +46,7 @@ from fxzero.runtime.stepping import StepControl, StepLog
 from fxzero.runtime.throughput import ThroughputTimer
 from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
+from fxzero.runtime.parameter_offload import ParameterOffload, give_external_parameters
 from fxzero.runtime.user_module import UserModule
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
@@ -140,6 +141,10 @@ class Engine:
         self._requires_grad = RequiresGradWatch(model, state.layouts)  # ([Note: requires_grad after compile])
         self._window = GradWindow()  # what no backward of this accumulation gave a gradient: the update skips it
         self._user.engine = self
+        if config.stage == 3:  # (what programs reach for in DeepSpeed's ZeRO-3 optimizer and modules)
+            give_external_parameters(model)
+            if optimizer is not None:
+                optimizer.parameter_offload = ParameterOffload(self._user)  # ([Note: DeepSpeed's parameter_offload])
         self._random_ltd: Optional[RandomLTDRouting] = None  # random layer-token drop (docs/random_ltd.md)
         if config.random_ltd is not None:
             self._random_ltd = RandomLTDRouting(config.random_ltd, global_batch_size=batch.train_batch_size,

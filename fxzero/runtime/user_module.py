@@ -28,7 +28,8 @@ before gathering it (PEFT's and DeepSpeed-Chat's save and merge code), `p.ds_sta
 ZeroParamStatus.NOT_AVAILABLE` for which to gather, `p.ds_shape` and `p.ds_numel` for its whole
 size (DeepSpeed leaves an empty tensor). At ZeRO-3 every parameter the engine trains carries
 them, with their meaning here: `ds_id` its index in the model, `ds_shape`/`ds_numel` its whole
-size, `ds_persist` whether its unit is held whole, and `ds_status` AVAILABLE where this rank
+size, `ds_persist` whether its unit is held whole, `ds_active_sub_modules` an empty set (no
+module holds it gathered between calls), and `ds_status` AVAILABLE where this rank
 holds the value (a persistent unit, or inside GatheredParameters) and NOT_AVAILABLE for a
 placeholder, kept current by every rebinding. Alike on every rank, so a program's choice of
 what to gather is the same everywhere. At ZeRO-1/2 no parameter has them, as under DeepSpeed.
@@ -78,7 +79,7 @@ class ZeroParamStatus(enum.Enum):
     so no parameter is ever left in it."""
 
 
-_DS_ATTRS = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_persist")
+_DS_ATTRS = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_persist", "ds_active_sub_modules")
 """The attributes DeepSpeed's ZeRO-3 parameters carry that programs read ([Note: the DeepSpeed
 attributes of a parameter])."""
 
@@ -112,6 +113,7 @@ def mark_zero3(param: nn.Parameter, index: int, shape: tuple[int, ...], persist:
     param.ds_numel = torch.Size(shape).numel()
     param.ds_persist = persist
     param.ds_status = ZeroParamStatus.AVAILABLE if available else ZeroParamStatus.NOT_AVAILABLE
+    param.ds_active_sub_modules = set()  # (DeepSpeed's modules using it now; programs clear it: always empty here)
 
 
 def unmark_zero3(param: nn.Parameter) -> None:
@@ -167,11 +169,25 @@ class UserModule:
         for module in model.modules():
             self._hooks.append(module.register_state_dict_pre_hook(pre))
             self._hooks.append(module.register_state_dict_post_hook(post))
+        self.call_hooks: list = []
+        self._call_hook_functions = (before, after)
+        self.register_call_hooks()
+        self.bind(force=True)
+
+    def register_call_hooks(self) -> None:
+        """(Re-)register the hooks of direct calls ([Note: calling a ZeRO-3 model directly]) on
+        the modules holding parameters or owning units; any still registered are removed first,
+        so a program that removed some (TRL's `remove_hooks` before generating, [Note:
+        DeepSpeed's parameter_offload]) gets each once again."""
+        for handle in self.call_hooks:
+            handle.remove()
+        before, after = self._call_hook_functions
+        self.call_hooks = []
+        for module in self.model.modules():
             if any(p is not None for p in module._parameters.values()) or \
                     self._module_fqn.get(id(module)) in self._units_owned:
-                self._hooks.append(module.register_forward_pre_hook(before))
-                self._hooks.append(module.register_forward_hook(after, always_call=True))
-        self.bind(force=True)
+                self.call_hooks.append(module.register_forward_pre_hook(before))
+                self.call_hooks.append(module.register_forward_hook(after, always_call=True))
 
     @property
     def engine(self) -> Any:
