@@ -384,10 +384,12 @@ def _flat(params: Any) -> list[torch.Tensor]:
 
 
 class GatheredParameters:
-    """DeepSpeed's `zero.GatheredParameters`: inside the block the parameters hold their full fp32
-    values on every rank (for reading, or writing on `modifier_rank`); at its end the modifier's
-    values are written into every rank's shards (the fp32 master, the compute-dtype copy and any
-    tier), or, with `modifier_rank=None`, changes are dropped. A collective: every rank enters it
+    """DeepSpeed's `zero.GatheredParameters`: inside the block the parameters hold their full
+    values on every rank. With `modifier_rank`, for writing there, the fp32 masters, and at the
+    block's end the modifier's values are written into every rank's shards (the fp32 master, the
+    compute-dtype copy and any tier); with `modifier_rank=None`, for reading, the values the
+    model computes with (the compute dtype under mixed precision, as DeepSpeed's are), and
+    changes are dropped. A collective: every rank enters it
     with the same parameters. Parameters fxzero does not manage (built eagerly and not compiled)
     are left as they are, as DeepSpeed leaves non-ZeRO parameters.
 

@@ -409,12 +409,15 @@ class UserModule:
 
     @contextlib.contextmanager
     def gathered(self, fqns: list[str], modifier_rank: Optional[int]) -> Iterator[None]:
-        """Full fp32 values in the parameters `fqns` for the block's duration; with
-        `modifier_rank`, that rank's values at the end become every rank's (its shard, the
-        compute-dtype copy, a tier), else changes are dropped. A collective."""
+        """Full values in the parameters `fqns` for the block's duration; with `modifier_rank`,
+        the fp32 masters, and that rank's values at the end become every rank's (its shard, the
+        compute-dtype copy, a tier); without, changes are dropped, so the values are those the
+        model computes with: in the compute dtype under mixed precision, as DeepSpeed's gathered
+        parameters are (TRL generates inside such a block: half the memory of fp32 masters, the
+        tokens DeepSpeed's model samples). A collective."""
         fqns = [f for f in fqns if f not in self._gathered]  # (nested: the outer block owns them)
         flats, tiles = {}, {}
-        for layout, flat in self.gather(fqns, compute=False, what=_GATHERED):
+        for layout, flat in self.gather(fqns, compute=modifier_rank is None, what=_GATHERED):
             if modifier_rank is not None:
                 flats[layout.name] = flat  # (the unit's other parameters, for the write-back)
             for slot in layout.slots:

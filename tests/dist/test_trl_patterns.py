@@ -11,6 +11,9 @@ against eager PyTorch computed here.
   `optimizer.parameter_offload.forward_hooks` / `backward_hooks` removed and emptied), a direct
   call, then `add_hooks` (`param_coordinator`, `_register_deepspeed_module`) ([Note: DeepSpeed's
   parameter_offload] in `fxzero/runtime/parameter_offload.py`).
+- In bf16, the gathered block TRL generates in holds the values the model computes with (DeepSpeed's
+  parameters are bf16), where it held the fp32 masters: twice the memory of the whole model, and
+  other tokens than DeepSpeed's model samples; a block that writes still gets the fp32 masters.
 - `hash_module` before `initialize` (TRL's DPO with `precompute_ref_log_probs`): `state_dict()` of
   a model built under `zero.Init` on a rank that does not hold it ([Note: a state_dict() before
   initialize] in `fxzero/zero.py`).
@@ -142,6 +145,27 @@ def _ranks(rank: int, world_size: int) -> dict:
                     "generated": generated, "without_hooks": without_hooks,
                     "hooks": len(engine.optimizer.parameter_offload.forward_hooks)}
 
+    # bf16: a reading GatheredParameters gives the values the model computes with, as DeepSpeed's (TRL
+    # generates inside one: the direct call's tokens); a modifying one the fp32 masters, written exactly
+    model = _model(zero3=True)
+    engine = fxzero.compile(model, fxzero.Config(stage=3, optimizer=fxzero.AdamW(**HP), cost_model=None,
+                                                 persist_threshold=0,
+                                                 mixed_precision=fxzero.MixedPrecision(param_dtype=torch.bfloat16)))
+    engine.backward(engine(_batches(rank)[0]))
+    engine.step()
+    with fxzero.zero.GatheredParameters(model.parameters()):
+        reading = {"dtype": model.lm_head.weight.dtype, "out": model.backbone(probe).detach().clone()}
+    with torch.no_grad():
+        called = model.backbone(probe).clone()
+    master = engine.full_state_dict()["lm_head.weight"].clone()
+    with fxzero.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
+        writing = model.lm_head.weight.dtype
+        if rank == 0:
+            with torch.no_grad():
+                model.lm_head.weight.add_(0.001)
+    out["bf16"] = {"reading": reading, "called": called, "writing": writing,
+                   "master": master, "written": engine.full_state_dict()["lm_head.weight"].clone()}
+
     # state_dict() before initialize, of a model built under zero.Init (TRL's hash_module)
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
@@ -217,3 +241,13 @@ def test_state_dict_before_initialize_is_empty_where_a_rank_does_not_hold_the_mo
     for k, v in results[0]["init"]["after"].items():  # after initialize: the model's values on every rank
         assert v.shape == results[0]["init"]["held"][k][0]
         torch.testing.assert_close(results[1]["init"]["after"][k], v, rtol=0, atol=0)
+
+
+def test_a_reading_gather_gives_the_compute_dtype_and_a_writing_one_the_fp32_masters(results) -> None:
+    for res in results:
+        bf16 = res["bf16"]
+        assert bf16["reading"]["dtype"] == torch.bfloat16 and bf16["writing"] == torch.float32
+        torch.testing.assert_close(bf16["reading"]["out"], bf16["called"], rtol=0, atol=0)  # (what generation gets)
+        assert bf16["called"].dtype == torch.bfloat16
+        # rank 0's write, in fp32, reached every rank's masters exactly
+        torch.testing.assert_close(bf16["written"], results[0]["bf16"]["master"] + 0.001, rtol=0, atol=0)
