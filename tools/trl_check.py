@@ -38,6 +38,9 @@ RUNS: dict[str, list[str]] = {
     "dpo-zero3-precompute": ["--trainer", "dpo", "--zero_stage", "3", "--precompute_ref_log_probs"],
     # DPO at ZeRO-3, the reference a copy made by TRL in zero.Init, with LoRA (PEFT) on q and v.
     "dpo-zero3-lora": ["--trainer", "dpo", "--zero_stage", "3", "--lora"],
+    # ... TR-DPO: every 2 steps the reference becomes the mean of itself and the policy, written on rank 0
+    # inside GatheredParameters(both models' parameters, modifier_rank=0) (SyncRefModelCallback).
+    "dpo-zero3-sync-reference": ["--trainer", "dpo", "--zero_stage", "3", "--sync_ref_model"],
     # ... at ZeRO-2 (the reference at stage 0), gradient checkpointing and 2 micro-steps.
     "dpo-zero2-checkpointing-accumulation": ["--trainer", "dpo", "--zero_stage", "2", "--gradient_checkpointing",
                                              "--gradient_accumulation_steps", "2"],

@@ -2,7 +2,7 @@
 tools/trl_check.py under DeepSpeed and, unchanged, under `fxzero run`.
 
     trl_train.py --trainer dpo|grpo|rloo|sft|reward --model DIR --output_dir DIR [--zero_stage 3]
-                 [--precompute_ref_log_probs] [--lora] [--offload] [--gradient_checkpointing]
+                 [--precompute_ref_log_probs] [--lora] [--sync_ref_model] [--offload] [--gradient_checkpointing]
                  [--gradient_accumulation_steps K]
 
 The model is tools/hf_trainer.py's small Llama (from_pretrained after the config, so at ZeRO-3
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, default=3)
     parser.add_argument("--precompute_ref_log_probs", action="store_true")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--sync_ref_model", action="store_true", help="DPO: TR-DPO's reference mixed in every 2 steps")
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
@@ -93,7 +94,8 @@ def main() -> None:
     if args.trainer == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        config = DPOConfig(**common, beta=0.1, precompute_ref_log_probs=args.precompute_ref_log_probs)
+        config = DPOConfig(**common, beta=0.1, precompute_ref_log_probs=args.precompute_ref_log_probs,
+                           sync_ref_model=args.sync_ref_model, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         peft = None
         if args.lora:
