@@ -59,6 +59,10 @@ class DeepSpeedReading(NamedTuple):
     """How fxzero gives what a key asks by other means (stage 0, prescale_gradients), to print once."""
 
 
+_SECTIONS = frozenset(path for path, key in KEYS.items() if key.kind == SECTION and "." not in path)
+"""DeepSpeed's top-level sections (objects): "zero_optimization", "bf16", ..."""
+
+
 class _Reader:
     def __init__(self) -> None:
         self.ineffective: list[str] = []
@@ -73,6 +77,14 @@ class _Reader:
         walked likewise (except the optimizer's and scheduler's params, read by their type)."""
         out: dict[str, Any] = {}
         for raw, value in section.items():
+            if not prefix and "." in raw and raw.split(".")[0] in _SECTIONS:
+                # (TRL's prepare_deepspeed writes "zero_optimization.reduce_bucket_size" so: DeepSpeed
+                # reads its sections as nested objects only, so such a key changes nothing there)
+                self.ineffective.append(
+                    f"DeepSpeed config key {raw!r} is a dotted name at the top level: DeepSpeed reads "
+                    f"{raw.split('.')[0]!r} as a nested object only and ignores this key, and so does fxzero; "
+                    f"to set it, nest it: {{{raw.split('.')[0]!r}: {{{'.'.join(raw.split('.')[1:])!r}: ...}}}}")
+                continue
             name = _ALIASES.get(raw, raw) if not prefix else raw
             path = FIELD_NAMES.get(prefix + name, prefix + name)  # DeepSpeed's field name for a "stage3_" key
             name = path[len(prefix):]

@@ -213,6 +213,20 @@ def test_a_top_level_key_deepspeed_does_not_have_is_warned_about_and_ignored():
         Config.from_deepspeed({"cuda_visible_devices": 0})
 
 
+def test_a_dotted_section_key_at_the_top_level_is_named_and_ignored_as_deepspeed_ignores_it():
+    # TRL's prepare_deepspeed (trl/models/utils.py) adds its ZeRO-3 tuning so, at the top level; DeepSpeed reads
+    # zero_optimization as a nested object only, so these change nothing there
+    reading = read_deepspeed({"zero_optimization": {"stage": 3},
+                              "zero_optimization.stage3_param_persistence_threshold": 640})
+    assert reading.fields["persist_threshold"] != 640  # (DeepSpeed's default, as DeepSpeed reads it)
+    assert reading.ineffective == [
+        "DeepSpeed config key 'zero_optimization.stage3_param_persistence_threshold' is a dotted name at the top "
+        "level: DeepSpeed reads 'zero_optimization' as a nested object only and ignores this key, and so does "
+        "fxzero; to set it, nest it: {'zero_optimization': {'stage3_param_persistence_threshold': ...}}"]
+    nested = read_deepspeed({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 640}})
+    assert nested.fields["persist_threshold"] == 640 and not nested.ineffective
+
+
 @pytest.mark.parametrize("given", [{}, {"zero_optimization": {"stage": 0}}])
 def test_stage_0_runs_as_stage_1_said_once(given, capsys):
     for _ in range(2):
