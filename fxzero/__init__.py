@@ -72,10 +72,35 @@ attributes on first use."""
 __all__ = sorted(_EXPORTS)
 
 
+_INFERENCE = ("DeepSpeed-Inference (kernel injection, tensor-parallel serving) is not in fxzero, a training "
+              "compiler; to evaluate or generate with a sharded model, fxzero.initialize(model=model, config=...) "
+              "without an optimizer and call the engine (or the model, under torch.no_grad())")
+_NOT_IN_FXZERO = {
+    "init_inference": _INFERENCE, "InferenceEngine": _INFERENCE, "DeepSpeedInferenceConfig": _INFERENCE,
+    "default_inference_config": _INFERENCE, "replace_transformer_layer": _INFERENCE,
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels are not in fxzero: keep the model's "
+                                 "own layers (fxzero traces them)",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels are not in fxzero: keep the model's "
+                                  "own layers (fxzero traces them)",
+    "DeepSpeedHybridEngine": "DeepSpeed's hybrid engine (training and inference kernels in one, DeepSpeed-Chat's "
+                             "--enable_hybrid_engine) is not in fxzero: run without it",
+    "PipelineEngine": "fxzero has no pipeline parallelism (it is data parallel over every rank)",
+    "DualPipeVEngine": "fxzero has no pipeline parallelism (it is data parallel over every rank)",
+    "DualPipeVModule": "fxzero has no pipeline parallelism (it is data parallel over every rank)",
+    "tp_model_init": "fxzero has no tensor parallelism (it shards parameters over every rank, ZeRO)",
+    "set_autotp_mode": "fxzero has no tensor parallelism (it shards parameters over every rank, ZeRO)",
+}
+"""DeepSpeed's top-level names for what fxzero does not do, each with why and what to do instead:
+`import deepspeed` is fxzero under `fxzero run`, and a bare AttributeError would name neither."""
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"fxzero.{name}")
     module = _EXPORTS.get(name)
+    if module is None and name in _NOT_IN_FXZERO:
+        raise AttributeError(f"module 'fxzero' (DeepSpeed's names under fxzero run) has no attribute {name!r}: "
+                             f"{_NOT_IN_FXZERO[name]}")
     if module is None:
         raise AttributeError(f"module 'fxzero' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

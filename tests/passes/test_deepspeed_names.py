@@ -66,6 +66,19 @@ def test_every_deepspeed_name_is_the_fxzero_object_it_says():
     assert "deepspeed.runtime.zero.partition_parameters" in proc.stdout  # (what it has, named)
 
 
+@pytest.mark.parametrize("name, says", [("init_inference", "DeepSpeed-Inference"),
+                                        ("DeepSpeedHybridEngine", "hybrid engine"),
+                                        ("PipelineEngine", "pipeline parallelism"),
+                                        ("tp_model_init", "tensor parallelism")])
+def test_deepspeeds_top_level_names_for_what_fxzero_does_not_do_say_why(name, says):
+    # (`deepspeed.init_inference(...)` under fxzero run: the module is fxzero)
+    with pytest.raises(AttributeError, match=f"has no attribute {name!r}: .*{says}"):
+        getattr(fxzero, name)
+    assert not hasattr(fxzero, name)
+    with pytest.raises(AttributeError, match=r"has no attribute 'no_such_name'$"):
+        fxzero.no_such_name
+
+
 def test_deepspeeds_top_level_names_and_its_module_helpers():
     """`from deepspeed import get_accelerator` (DeepSpeed-Chat, Megatron-DeepSpeed), and the helpers
     LoRA scripts swap layers with (`deepspeed.compression.helper`, now `deepspeed.utils.module_utils`)."""
