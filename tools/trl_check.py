@@ -2,8 +2,8 @@
 
     python tools/trl_check.py --deepspeed-python .venv-bench/bin/python --trl-path DIR [--runs dpo-zero3,...]
 
-Each run starts tools/trl_train.py (TRL's DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer or
-RewardTrainer on tools/hf_trainer.py's small Llama, as TRL's users write it) on 2 CPU ranks,
+Each run starts tools/trl_train.py (TRL's DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer,
+RewardTrainer, or the experimental ORPO, online DPO and GKD trainers, on tools/hf_trainer.py's small Llama, as TRL's users write it) on 2 CPU ranks,
 once with DeepSpeed on its CPU accelerator (launched by torchrun) and once with `fxzero run`,
 and prints one JSON object per run: the largest relative difference of each logged value over
 the steps (loss, grad_norm, rewards, log-probabilities, ...; `FLOOR` below), and of the saved
@@ -52,6 +52,11 @@ RUNS: dict[str, list[str]] = {
                                          "--gradient_checkpointing"],
     "rloo-zero3": ["--trainer", "rloo", "--zero_stage", "3"],
     "sft-zero3": ["--trainer", "sft", "--zero_stage", "3"],
+    # TRL's experimental trainers: ORPO (no reference), online DPO (a reference engine, generation and a
+    # reward function), GKD (a teacher engine, on-policy generation half the time).
+    "orpo-zero3": ["--trainer", "orpo", "--zero_stage", "3"],
+    "online-dpo-zero3": ["--trainer", "online_dpo", "--zero_stage", "3"],
+    "gkd-zero3": ["--trainer", "gkd", "--zero_stage", "3"],
     "reward-zero3": ["--trainer", "reward", "--zero_stage", "3"],
 }
 """name -> tools/trl_train.py's arguments."""

@@ -1,7 +1,7 @@
 """One TRL trainer run with a DeepSpeed config, as TRL's users write it; started by
 tools/trl_check.py under DeepSpeed and, unchanged, under `fxzero run`.
 
-    trl_train.py --trainer dpo|grpo|rloo|sft|reward --model DIR --output_dir DIR [--zero_stage 3]
+    trl_train.py --trainer dpo|grpo|rloo|sft|reward|orpo|online_dpo|gkd --model DIR --output_dir DIR [--zero_stage 3]
                  [--precompute_ref_log_probs] [--lora] [--sync_ref_model] [--offload] [--gradient_checkpointing]
                  [--gradient_accumulation_steps K]
 
@@ -46,7 +46,7 @@ def rows(n: int = 32) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer", choices=["dpo", "grpo", "rloo", "sft", "reward"], required=True)
+    parser.add_argument("--trainer", choices=["dpo", "grpo", "rloo", "sft", "reward", "orpo", "online_dpo", "gkd"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--zero_stage", type=int, default=3)
@@ -116,6 +116,36 @@ def main() -> None:
         prompts = Dataset.from_dict({"prompt": data["prompt"]})
         trainer = Trainer(model=model, args=config, train_dataset=prompts, processing_class=tok,
                           reward_funcs=reward_words)
+    elif args.trainer == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        config = ORPOConfig(**common, beta=0.1, max_length=32)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        trainer = ORPOTrainer(model=model, args=config, train_dataset=data, processing_class=tok)
+    elif args.trainer == "online_dpo":
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        config = OnlineDPOConfig(**common, beta=0.1, max_new_tokens=6)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+
+        def reward_words(completions, **_):
+            return [len(c.split()) / 8.0 for c in completions]
+
+        trainer = OnlineDPOTrainer(model=model, ref_model=reference, reward_funcs=reward_words, args=config,
+                                   train_dataset=Dataset.from_dict({"prompt": data["prompt"]}), processing_class=tok)
+    elif args.trainer == "gkd":
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        config = GKDConfig(**common, max_length=32, lmbda=0.5, max_new_tokens=6, temperature=0.9)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        torch.manual_seed(1)  # (a teacher other than the student: built from the config, its own init)
+        teacher = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        chats = Dataset.from_dict({"messages": [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                                                for p, c in zip(data["prompt"], data["chosen"])]})
+        trainer = GKDTrainer(model=model, teacher_model=teacher, args=config, train_dataset=chats,
+                             processing_class=tok)
     elif args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer
 
