@@ -338,15 +338,15 @@ class Engine(EngineSurface):
         except ValueError as e:
             if not getattr(e, "needs_values", False):
                 raise
-            if self._user.placeholders():  # (ZeRO-3: no rank holds these parameters' values)
-                e.args = (f"{e.args[0]}. (At ZeRO-3 the parameters are sharded, so such a forward cannot run "
-                          "eagerly either; at ZeRO-1/2, or with every unit held whole, fxzero runs it eagerly)",)
-                raise
             self._eager.add(family)
             if not self._warned_eager:
                 self._warned_eager = True
-                warnings.warn(f"{e.args[0].split(': fxzero traces')[0]}. Every rank holds the whole parameters "
-                              f"(ZeRO-{self.config.stage}), so fxzero runs this forward eagerly, as DeepSpeed does, and "
+                held = ("Every rank holds the whole parameters" if not self._user.placeholders() else
+                        "At ZeRO-3 every unit is gathered for it and held whole until its backward ends (the whole "
+                        "model in the compute dtype for that step, as ZeRO-2 holds it: [Note: a forward run eagerly "
+                        "at ZeRO-3])")
+                warnings.warn(f"{e.args[0].split(': fxzero traces')[0]}. {held}, so fxzero runs this forward "
+                              f"eagerly (ZeRO-{self.config.stage}), as DeepSpeed does, and "
                               "engine.backward reduces the gradients it leaves into the shards: it trains as "
                               "the traced program would, but nothing of the forward and backward overlaps, and "
                               "Config.activations does not apply to them ([Note: gradients from outside the "
@@ -374,7 +374,13 @@ class Engine(EngineSurface):
             args, kwargs = pytree.tree_map(
                 lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
                 (tuple(args), dict(kwargs)))
-        return self._model(*args, **kwargs)
+        self._user.hold_for_eager()  # (ZeRO-3: every sharded unit whole until the backward, [Note: a forward run ...])
+        if torch.is_grad_enabled():
+            return self._model(*args, **kwargs)
+        try:
+            return self._model(*args, **kwargs)
+        finally:
+            self._user.release_held()
 
     def _announce_outside_gradients(self, loss: torch.Tensor, params: dict[str, nn.Parameter]) -> Any:
         """Before the backward: start summing over the ranks whether this rank's backward reaches
@@ -519,8 +525,11 @@ class Engine(EngineSurface):
             p.grad = None          # set only outside the programs, and carried into the shards below)
         reached = self._announce_outside_gradients(loss, params)
         # Over the accumulation steps, float16-scaled; its finiteness reduced over the ranks.
-        self.control.loss_to_backward(loss, scale_wrt_gas).backward()
-        self._carry_outside_gradients(params, reached)
+        try:
+            self.control.loss_to_backward(loss, scale_wrt_gas).backward()
+            self._carry_outside_gradients(params, reached)
+        finally:
+            self._user.release_held()  # (a forward run eagerly at ZeRO-3: its units are placeholders again)
         self._log.loss(loss)
 
     # -- optimizer step --------------------------------------------------------------------
@@ -584,6 +593,7 @@ class Engine(EngineSurface):
                                "in it are not reduced yet; leave the block and run one more backward first")
         if self._stash is not None:  # what a forward wrote that no backward read ([Note: activations on a tier, at run time])
             self._stash.end_step()
+        self._user.release_held()  # (an eager forward at ZeRO-3 that no backward followed)
         if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")
         boundary = self.control.boundary

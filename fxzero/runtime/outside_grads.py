@@ -43,8 +43,9 @@ What it costs: the gradients live whole on every rank until the reduction (2 byt
 in bf16, as DDP's), and the probe's forward reads every parameter once. What it does not give:
 a forward run eagerly is not a program, so nothing of it overlaps, `Activations` recompute and
 offload do not apply to it, and `fxzero schedule` shows only the reduction and the step. At
-ZeRO-3 a sharded parameter has no value on any rank, so a forward the trace cannot follow stays
-an error there.
+ZeRO-3 a sharded parameter has no value until gathered: such a forward gathers every unit at its
+start and holds them until its backward ends ([Note: a forward run eagerly at ZeRO-3] in
+`fxzero/runtime/user_module.py`).
 """
 
 from __future__ import annotations

@@ -148,6 +148,7 @@ class UserModule:
                                for fqn, b, owner, name in _named_buffers(model)]
         self._bound: dict[str, Optional[int]] = {}  # unit -> id of the storage its params view (None: placeholders)
         self._gathered: set[str] = set()  # FQNs GatheredParameters holds full right now
+        self._held: list[str] = []  # FQNs gathered for a forward run eagerly ([Note: a forward run eagerly at ZeRO-3])
         self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
         self._warned_converted = False
         for index, (fqn, p) in enumerate(self.params.items()):
@@ -370,7 +371,16 @@ class UserModule:
                 "computes, forward and backward); under torch.no_grad() (generation, evaluation) a direct call "
                 "gathers each unit for its forward; or gather for eager use on every rank: with "
                 "fxzero.zero.GatheredParameters(model.parameters()): ...")
-        what = f"{type(module).__name__} ({fqn or 'the model'}) called directly under no_grad"
+        self._hold(wanted, f"{type(module).__name__} ({fqn or 'the model'}) called directly under no_grad")
+        self._direct[-1] = wanted
+
+    def _direct_call_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        wanted = self._direct.pop() if self._direct else None
+        if wanted:
+            self._release(wanted)
+
+    def _hold(self, wanted: list[str], what: str) -> None:
+        """The parameters `wanted` whole, in the compute dtype, until `_release` (a collective)."""
         tiles: dict[str, torch.Tensor] = {}
         for layout, flat in self.gather(wanted, compute=True, what=what):
             for slot in layout.slots:
@@ -379,17 +389,37 @@ class UserModule:
                         flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     _set(self.params[slot.fqn], value)
         self._gathered.update(wanted)
-        self._direct[-1] = wanted
 
-    def _direct_call_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        wanted = self._direct.pop() if self._direct else None
-        if not wanted:
-            return
+    def _release(self, wanted: list[str]) -> None:
         self._gathered.difference_update(wanted)
         for fqn in wanted:
             layout, slot = self.slot[fqn]
             dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
             _set(self.params[fqn], torch.empty(slot.full_shape, dtype=dtype, device="meta"))
+
+    def hold_for_eager(self) -> None:
+        """[Note: a forward run eagerly at ZeRO-3]
+        A forward the trace cannot follow runs as the model is ([Note: gradients from outside the
+        program] in `fxzero/runtime/outside_grads.py`), and autograd keeps the parameters it
+        used until the backward. At ZeRO-3 their values exist only while gathered, so every
+        sharded unit is gathered, in the compute dtype, at the forward's start, on every rank
+        alike (whatever modules each rank's data makes it call: a branch one rank takes gathers
+        nothing the others do not), and stays whole until the backward has carried its gradients
+        into the shards (`release_held`, from `engine.backward`; or at the end of a forward under
+        no_grad, or at the step). For that step the rank holds the whole model in the compute
+        dtype, as ZeRO-2 holds it, plus its full gradients until they are reduced; the optimizer
+        states and fp32 masters stay sharded. DeepSpeed's hooks gather module by module and again
+        in the backward; fxzero's programs do that for every forward the trace can follow."""
+        wanted = [fqn for fqn, p in self.params.items() if p.is_meta and fqn not in self._gathered]
+        if wanted:
+            self._hold(wanted, "the model's forward, run eagerly at ZeRO-3 (every unit gathered)")
+            self._held.extend(wanted)
+
+    def release_held(self) -> None:
+        """Placeholders again for what `hold_for_eager` gathered."""
+        held, self._held = self._held, []
+        if held:
+            self._release(held)
 
     def _in_place(self, fqn: str) -> bool:
         """Whether the model holds this parameter itself now: not while a trace swaps values in

@@ -9,8 +9,9 @@
   in one step), and under a reentrant checkpoint, which hides it until its backward (an error).
 - DeepSpeedExamples' GAN loop: both networks called directly, two backwards into one step for the
   discriminator, the generator's loss through the discriminator's module.
-- At ZeRO-3, where the parameters are sharded, such a forward stays an error; ranks that would
-  run one eagerly and one as a program raise instead of hanging.
+- At ZeRO-3 with sharded parameters, such a forward holds every unit gathered until its backward
+  ends ([Note: a forward run eagerly at ZeRO-3]); ranks that would run one eagerly and one as a
+  program raise instead of hanging.
 
 The reference averages each backward's gradients over the ranks and adds them over the
 backwards of a step, as the engine reduces them, so fp32 runs are compared bit for bit.
@@ -140,21 +141,27 @@ def _gan_iteration(netG, netD, backward_d, step_d, backward_g, step_g, real, noi
 
 def _ranks(rank: int, world_size: int) -> dict:
     out: dict = {}
-    for stage, threshold in ((1, 0), (2, 0), (3, 10**6)):  # (ZeRO-3: every unit held whole)
-        model = _reward_model()
+    for key, stage, threshold in ((1, 1, 0), (2, 2, 0), (3, 3, 10**6), ("3-sharded", 3, 0)):  # (3: every unit
+        model = _reward_model()                                                         # held whole)
         engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.AdamW(**HP), cost_model=None,
                                                      persist_threshold=threshold, gradient_accumulation_steps=MICRO))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            losses = []
+            losses, placeholders = [], []
             for ids in _batches(rank):
                 loss = engine(ids)
+                placeholders.append(sum(p.is_meta for p in model.parameters()))  # (held for the backward)
                 engine.backward(loss)
+                placeholders.append(sum(p.is_meta for p in model.parameters()))  # (released after it)
                 engine.step()
                 losses.append(loss.item())
-        out["reward", stage] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
-                                "losses": losses, "steps": engine.global_steps,
-                                "warnings": [str(w.message) for w in caught if "eagerly" in str(w.message)]}
+        out["reward", key] = {"params": {k: v.clone() for k, v in model.state_dict().items()},
+                              "losses": losses, "steps": engine.global_steps, "placeholders": placeholders,
+                              "warnings": [str(w.message) for w in caught if "eagerly" in str(w.message)]}
+        if key == "3-sharded":  # under no_grad (an evaluation): gathered for the call, placeholders after it
+            with torch.no_grad():
+                evaluated = engine(_batches(rank)[0])
+            out["reward", "3-sharded", "eval"] = (evaluated.item(), sum(p.is_meta for p in model.parameters()))
 
     # The same model run eagerly and as a program (its Python decision made a constant) under
     # features that act on the gradients: clipping with local accumulation, gradients and
@@ -223,14 +230,6 @@ def _ranks(rank: int, world_size: int) -> dict:
         _gan_iteration(netG, netD, engine_d.backward, engine_d.step, engine_g.backward, engine_g.step, real, noise)
     out["gan"] = ({k: v.clone() for k, v in netG.state_dict().items() if "running" not in k},
                   {k: v.clone() for k, v in netD.state_dict().items()})
-
-    # ZeRO-3, sharded: no rank holds the values such a forward needs
-    engine = fxzero.compile(_reward_model(), fxzero.Config(stage=3, optimizer=fxzero.AdamW(**HP), cost_model=None,
-                                                           persist_threshold=0))
-    try:
-        engine(_batches(rank)[0])
-    except ValueError as e:
-        out["zero3"] = str(e)
 
     # one rank's forward traces (a static length), the other's cannot: both raise, none hangs
     class Lengthwise(nn.Module):
@@ -319,14 +318,15 @@ def _reference_reward(applied: tuple[int, ...] = tuple(range(STEPS))) -> tuple[d
 
 
 def test_a_forward_the_trace_cannot_follow_trains_eagerly_as_eager_pytorch(ranks):
-    """Bit for bit at ZeRO-1, 2 and 3 held whole: the losses, and the weights after two updates
-    (the branch only rank 0 takes trains from rank 0's gradient and rank 1's zeros; the layer no
-    rank uses is left as it was, weight decay included)."""
+    """Bit for bit at ZeRO-1, 2, 3 held whole and 3 sharded: the losses, and the weights after
+    two updates (the branch only rank 0 takes trains from rank 0's gradient and rank 1's zeros;
+    the layer no rank uses is left as it was, weight decay included)."""
     expected, losses = _reference_reward()
     initial = _reward_model().state_dict()
     for rank, result in enumerate(ranks):
-        for stage in (1, 2, 3):
-            got = result["reward", stage]
+        for key in (1, 2, 3, "3-sharded"):
+            stage = 3 if key == "3-sharded" else key
+            got = result["reward", key]
             assert got["steps"] == STEPS
             assert got["losses"] == losses[rank], (stage, rank)
             for name, value in expected.items():
@@ -336,7 +336,14 @@ def test_a_forward_the_trace_cannot_follow_trains_eagerly_as_eager_pytorch(ranks
             (message,) = got["warnings"]  # (once per engine)
             assert message.startswith(f"[rank {rank}] the forward decides in Python on a size that depends on the "
                                       "data") and "test_outside_gradients.py" in message
-            assert f"(ZeRO-{stage}), so fxzero runs this forward eagerly" in message
+            assert f"so fxzero runs this forward eagerly (ZeRO-{stage})" in message
+        sharded = result["reward", "3-sharded"]
+        n = len(list(_reward_model().parameters()))
+        # held whole from the forward to the end of its backward, then placeholders again
+        assert sharded["placeholders"] == [0, n] * (STEPS * MICRO)
+        assert "every unit is gathered for it and held whole until its backward ends" in sharded["warnings"][0]
+        loss, after = result["reward", "3-sharded", "eval"]
+        assert after == n and loss == loss  # (under no_grad: released at the call's end)
 
 
 @pytest.mark.parametrize("name", ["clip-local", "offloaded", "summed"])
@@ -436,13 +443,6 @@ def test_deepspeed_examples_gan_loop_trains_both_networks(ranks):
         for name, value in netG.state_dict().items():
             if "running" not in name and "num_batches" not in name:
                 torch.testing.assert_close(got_g[name], value, rtol=0, atol=0, msg=name)
-
-
-def test_at_zero3_sharded_a_forward_needing_values_stays_an_error(ranks):
-    for rank, result in enumerate(ranks):
-        message = result["zero3"]
-        assert message.startswith(f"[rank {rank}] the forward decides in Python on a size that depends on the data")
-        assert "At ZeRO-3 the parameters are sharded, so such a forward cannot run eagerly" in message
 
 
 def test_ranks_running_one_eagerly_and_one_as_a_program_raise(ranks):

@@ -173,13 +173,21 @@ class _BranchOnValue(torch.nn.Module):
 def test_a_branch_on_a_tensor_value_is_explained_naming_the_models_line():
     from fxzero.trace import DataDependentControlFlow
 
-    engine = fxzero.compile(_BranchOnValue(), fxzero.Config(cost_model=None))
     with pytest.raises(DataDependentControlFlow) as info:
-        engine(torch.randn(2, 4))
+        trace_joint(_BranchOnValue(), [torch.randn(2, 4)])
     message = str(info.value)
-    assert message.startswith("[rank 0] the forward reads a tensor's value in Python at ")
+    assert message.startswith("the forward reads a tensor's value in Python at ")
     assert f"{__file__}:" in message and "(`if h.sum() > 0:  # the line the error names`)" in message
     assert "torch.cond" in message and "one static program" in message
+    # the engine runs such a forward eagerly (at ZeRO-3, every unit held for it), saying so once, naming the line
+    torch.manual_seed(0)
+    model = _BranchOnValue()
+    engine = fxzero.compile(model, fxzero.Config(stage=3, cost_model=None, persist_threshold=0))
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"\[rank 0\] the forward reads a tensor's value in Python at .*eagerly"):
+        out = engine(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, _BranchOnValue()(x), rtol=0, atol=0)
 
 
 class _ConstantFromData(torch.nn.Module):
