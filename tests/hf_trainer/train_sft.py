@@ -430,8 +430,9 @@ def train_reward_model(args: argparse.Namespace, ds_config: dict, rank: int, wor
     log["train_runtime"] = time.perf_counter() - start
     log["eval"].append({"step": step, **evaluate(engine)})
     os.makedirs(args.output_dir, exist_ok=True)
+    state = engine.module.state_dict()  # (on every rank: at ZeRO-3 it gathers, a collective)
     if rank == 0:
-        torch.save(engine.module.state_dict(), os.path.join(args.output_dir, "pytorch_model.bin"))
+        torch.save(state, os.path.join(args.output_dir, "pytorch_model.bin"))
         print("TRAINER_LOG " + json.dumps(log), flush=True)
 
 
