@@ -3,19 +3,21 @@
     python tools/trl_check.py --deepspeed-python .venv-bench/bin/python --trl-path DIR [--runs dpo-zero3,...]
 
 Each run starts tools/trl_train.py (TRL's DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer,
-RewardTrainer, or the experimental ORPO, online DPO and GKD trainers, on tools/hf_trainer.py's small Llama, as TRL's users write it) on 2 CPU ranks,
-once with DeepSpeed on its CPU accelerator (launched by torchrun) and once with `fxzero run`,
+RewardTrainer, or the experimental ORPO, online DPO and GKD trainers, on tools/hf_trainer.py's
+small Llama, as TRL's users write it) on 2 CPU ranks, once with DeepSpeed on its CPU accelerator (launched by torchrun) and once with `fxzero run`,
 and prints one JSON object per run: the largest relative difference of each logged value over
 the steps (loss, grad_norm, rewards, log-probabilities, ...; `FLOOR` below), and of the saved
 model's weights (each tensor's sum, against its norm, and sum of squares).
 
-TRL and `datasets` are not among the project's packages (TRL needs datasets >= 4.7, whose
-dataset fingerprinting fails with this environment's packages unless pinned as below): install
-them aside and give the folder with `--trl-path`, added to both Pythons' PYTHONPATH:
+TRL and `datasets` are not among the project's packages: TRL 1.16 asks for datasets >= 4.7, whose
+dataset fingerprinting fails with this environment's packages (a PicklingError on pyarrow's
+MonthDayNano), while datasets 4.0 runs TRL 1.16 here. Install them aside, without their
+dependencies (the environments have the rest), and give the folder with `--trl-path`, added to
+both Pythons' PYTHONPATH:
 
-    .venv/bin/pip install --target /tmp/trl trl==1.16.0 datasets==5.2.0 --no-deps
-    .venv/bin/pip install --target /tmp/trl datasets==4.0.0 dill==0.3.8 pyarrow==21.0.0 multiprocess==0.70.16 \\
-        xxhash pandas --no-deps    # (datasets 4.0.0 over 5.2.0: TRL 1.16 runs with it; 5.2.0's hashing fails here)
+    .venv/bin/pip install --target /tmp/trl --no-deps trl==1.16.0
+    .venv/bin/pip install --target /tmp/trl --no-deps datasets==4.0.0 dill==0.3.8 pyarrow==21.0.0 \
+        multiprocess==0.70.16 pandas==3.1.1
 """
 
 from __future__ import annotations
