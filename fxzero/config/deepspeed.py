@@ -4,8 +4,8 @@ Every key is looked up in the key table (`fxzero/config/deepspeed_keys.py`): a k
 what fxzero does is read into its field; one that changes nothing in fxzero is named in one
 warning with the reason; one fxzero does not have, set to a value that would change training,
 is an error naming the feature; a key DeepSpeed does not have either is an error naming the
-nearest one (at the top level, where DeepSpeed ignores keys it does not know, one with no near
-match is warned about and ignored). Every value is read through `deepspeed_defaults.value`, so a
+nearest one (at the top level, where DeepSpeed ignores keys it does not know, only a misspelling,
+within two edits of a DeepSpeed key, is an error; any other is warned about and ignored). Every value is read through `deepspeed_defaults.value`, so a
 missing key is DeepSpeed 0.19.8's default, one table for all of them: stage 0, clipping at 1.0,
 no log line, gradients reduced in the compute dtype, the optimizer class's own defaults.
 
@@ -93,12 +93,14 @@ class _Reader:
             key = KEYS.get(path)
             if key is None:
                 near = _nearest(prefix, raw)
-                if not prefix and not near:  # DeepSpeed ignores a top-level key it does not read
+                if not prefix and not _misspelled(raw, near):
+                    # DeepSpeed ignores a top-level key it does not read (LLaMA-Factory's configs carry
+                    # "comms_config" and "monitor_config", which DeepSpeed never reads)
                     self.ineffective.append(f"DeepSpeed config key {raw!r} is not a DeepSpeed key: DeepSpeed "
-                                            "ignores it, and so does fxzero")
+                                            f"ignores it, and so does fxzero{_nearest_said(near)}")
                     continue
                 raise ValueError(f"DeepSpeed config: unknown key {prefix + raw!r}"
-                                 f"{near or _elsewhere(prefix)}")
+                                 f"{_did_you_mean(near) if near else _elsewhere(prefix)}")
             if isinstance(value, str) and value == "auto" and not key.honours(value):
                 value = self._auto(path, key)
                 if value is _UNRESOLVED:
@@ -136,10 +138,39 @@ class _Reader:
 _UNRESOLVED = object()
 
 
-def _nearest(prefix: str, raw: str) -> str:
+def _nearest(prefix: str, raw: str) -> "str | None":
+    """The key of the section at `prefix` nearest to `raw`, if any is near."""
     siblings = [k[len(prefix):] for k in KEYS if k.startswith(prefix) and "." not in k[len(prefix):]]
     near = difflib.get_close_matches(raw, siblings, n=1, cutoff=0.6)
-    return f"; did you mean {near[0]!r}?" if near else ""
+    return near[0] if near else None
+
+
+def _did_you_mean(near: str) -> str:
+    return f"; did you mean {near!r}?"
+
+
+def _nearest_said(near: "str | None") -> str:
+    return f" (the nearest DeepSpeed key is {near!r})" if near else ""
+
+
+_TYPO_EDITS = 2
+"""A top-level key within this many single-character edits of a DeepSpeed key is taken for a
+misspelling of it (an error: DeepSpeed would ignore it and train without the setting); one further
+away is a key of someone else's (warned about and ignored, as DeepSpeed ignores it)."""
+
+
+def _misspelled(raw: str, near: "str | None") -> bool:
+    return near is not None and _edits(raw, near) <= _TYPO_EDITS
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: single-character insertions, deletions and substitutions."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 def _elsewhere(prefix: str) -> str:

@@ -12,7 +12,8 @@ key table (`docs/deepspeed_config.md`, rendered by `markdown_table()` and rewrit
 - `SECTION`: an object whose keys are in the table under it (`"zero_optimization.stage"`).
 
 A key missing from the table is an error naming it and the nearest key DeepSpeed has; at the top
-level, a key with no near match is warned about and ignored, as DeepSpeed ignores it. A key that
+level, where DeepSpeed ignores keys it does not read, only a misspelling of a key (within two
+edits) is an error, and any other key is warned about and ignored. A key that
 is missing takes DeepSpeed's default (`fxzero/config/deepspeed_defaults.py`, checked against
 DeepSpeed's source). `"auto"` (a value a trainer fills in) is resolved where fxzero can do without
 the trainer (`Key.auto`): to DeepSpeed's default, as DeepSpeed itself reads it in the sections it

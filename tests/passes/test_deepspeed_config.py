@@ -213,6 +213,54 @@ def test_a_top_level_key_deepspeed_does_not_have_is_warned_about_and_ignored():
         Config.from_deepspeed({"cuda_visible_devices": 0})
 
 
+# LLaMA-Factory's examples/deepspeed/ds_z3_fp8_config.json (hiyouga/LLaMA-Factory ff6d4d1, Apache-2.0),
+# with Hugging Face's Trainer's values in place of its "auto"s: "comms_config" and "monitor_config"
+# are no DeepSpeed keys (DeepSpeed reads "comms_logger", and "tensorboard", "wandb", "csv_monitor"
+# and "comet" at the top level), so DeepSpeed 0.19.8 ignores both
+LLAMA_FACTORY_Z3 = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+    "zero_force_ds_cpu_optimizer": True,
+    "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}, "overlap_comm": False,
+        "contiguous_gradients": True, "sub_group_size": 1000000000, "reduce_bucket_size": 12845056,
+        "stage3_prefetch_bucket_size": 11560550, "stage3_param_persistence_threshold": 35840,
+        "stage3_max_live_parameters": 1000000000, "stage3_max_reuse_distance": 1000000000,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "steps_per_print": 10000000, "gradient_accumulation_steps": 1,
+    "comms_config": {"verbose": False},
+    "monitor_config": {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}},
+}
+
+
+def test_a_top_level_key_of_another_tool_is_warned_about_and_ignored_as_deepspeed_ignores_it():
+    reading = read_deepspeed(LLAMA_FACTORY_Z3)
+    assert reading.fields["stage"] == 3
+    assert reading.fields["offload"].offloaded("optimizer")
+    assert reading.fields["persist_threshold"] == 35840
+    ignored = [m for m in reading.ineffective if "is not a DeepSpeed key" in m]
+    assert ignored == [
+        "DeepSpeed config key 'comms_config' is not a DeepSpeed key: DeepSpeed ignores it, and so does fxzero "
+        "(the nearest DeepSpeed key is 'comms_logger')",
+        "DeepSpeed config key 'monitor_config' is not a DeepSpeed key: DeepSpeed ignores it, and so does fxzero"]
+
+
+@pytest.mark.parametrize("key, misspelled", [
+    ("train_batch_sizes", True), ("zero_optimisation", True), ("gradient_acumulation_step", True),
+    ("comms_config", False), ("sequence_parallel", False),  # (5 edits each from a DeepSpeed key)
+])
+def test_only_a_misspelling_of_a_top_level_key_is_an_error(key, misspelled):
+    ds = {key: 1, "train_batch_size": 8}
+    if misspelled:
+        with pytest.raises(ValueError, match=rf"unknown key '{key}'; did you mean"):
+            read_deepspeed(ds)
+    else:
+        assert any(m.startswith(f"DeepSpeed config key {key!r} is not a DeepSpeed key")
+                   for m in read_deepspeed(ds).ineffective)
+
+
 def test_a_dotted_section_key_at_the_top_level_is_named_and_ignored_as_deepspeed_ignores_it():
     # TRL's prepare_deepspeed (trl/models/utils.py) adds its ZeRO-3 tuning so, at the top level; DeepSpeed reads
     # zero_optimization as a nested object only, so these change nothing there
