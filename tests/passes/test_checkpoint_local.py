@@ -179,6 +179,26 @@ def test_leftovers_and_a_repeated_tag(saved, tmp_path):
     assert _engine().load_checkpoint(save_dir)[0].endswith("global_step2.old-0123abcd")
 
 
+def test_save_after_an_odd_number_of_updates_with_the_boundary_set_by_the_caller(tmp_path):
+    """accelerate sets the boundary before every backward and calls step() at boundaries only, so
+    the engine's count of step() calls is the updates', not the accumulation's position: after 3
+    updates of 2 micro-batches each the count is odd and nothing is pending (the check read the
+    count and refused the save; accelerate's save_state after an odd number of updates stopped)."""
+    engine = _engine(gradient_accumulation_steps=2)
+    batches = make_gpt_batches(zoo.GPT_SIZES["tiny"], 6, 2, seed=1)
+    for i, (x, y) in enumerate(batches):
+        engine.set_gradient_accumulation_boundary(i % 2 == 1)
+        engine.backward(lm_loss(engine(x), y))
+        if i % 2 == 1:
+            engine.step()
+        if i == 2:  # (a backward of the next accumulation: its gradients wait for the boundary)
+            with pytest.raises(CheckpointError, match=r"a backward not yet followed by the boundary's step\(\)"):
+                engine.save_checkpoint(str(tmp_path))
+    assert engine.global_steps == 3
+    engine.save_checkpoint(str(tmp_path))
+    assert os.path.isdir(tmp_path / "global_step3")
+
+
 def test_save_between_boundaries_and_bad_tags_are_errors(tmp_path):
     engine = _engine(gradient_accumulation_steps=2)
     x, y = make_gpt_batches(zoo.GPT_SIZES["tiny"], 1, 2, seed=1)[0]

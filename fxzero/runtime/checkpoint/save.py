@@ -109,10 +109,14 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"[rank {rank}] save_checkpoint(client_state=...) takes a dict (returned by load_checkpoint), "
                         f"got a {type(client_state).__name__}")
-    if control.micro_steps % control.accumulation or engine.state.grads or engine._unreduced:
+    # (gradients not yet applied are held until the boundary's step(); micro_steps counts step() calls, which
+    # is not the accumulation's position when the caller sets the boundary: accelerate calls step() at them only)
+    if engine.state.grads or engine._unreduced:
+        counted = control.micro_steps % control.accumulation
+        where = (f"micro-step {counted} of an accumulation of {control.accumulation}"
+                 if control.boundary_override is None and counted else "a backward not yet followed by the boundary's step()")
         raise CheckpointError(
-            f"[rank {rank}] save_checkpoint with gradients not yet applied (micro-step "
-            f"{control.micro_steps % control.accumulation} of an accumulation of {control.accumulation}) would lose "
+            f"[rank {rank}] save_checkpoint with gradients not yet applied ({where}) would lose "
             "them: a checkpoint holds no gradients, so save after the engine.step() that updates")
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if os.sep in tag or tag in ("", ".", "..") or tag == fmt.LATEST or _TMP in tag or _OLD in tag:
