@@ -197,6 +197,15 @@ def test_save_after_an_odd_number_of_updates_with_the_boundary_set_by_the_caller
     assert engine.global_steps == 3
     engine.save_checkpoint(str(tmp_path))
     assert os.path.isdir(tmp_path / "global_step3")
+    # Resumed by a loop that lets the engine count (step() after every backward): a checkpoint is
+    # saved at a boundary, so the next update comes after a whole accumulation, as in DeepSpeed
+    # (whose count starts again at 0), not after the one micro-batch the odd count would leave.
+    resumed = _engine(gradient_accumulation_steps=2)
+    resumed.load_checkpoint(str(tmp_path))
+    for i, (x, y) in enumerate(make_gpt_batches(zoo.GPT_SIZES["tiny"], 2, 2, seed=2)):
+        resumed.backward(lm_loss(resumed(x), y))
+        resumed.step()
+        assert resumed.global_steps == 3 + i, "an update after one micro-batch of an accumulation of 2"
 
 
 def test_save_between_boundaries_and_bad_tags_are_errors(tmp_path):

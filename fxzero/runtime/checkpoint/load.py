@@ -211,7 +211,11 @@ def _load_engine_state(engine, saved: _Saved) -> None:
     control = engine.control
     state = saved.engine
     control.global_steps = state["global_steps"]
-    control.micro_steps = state["micro_steps"]
+    # A checkpoint is saved at a boundary, so the next micro-step starts an accumulation. The count
+    # saved is of step() calls, a multiple of the accumulation where the engine counted, the number of
+    # updates where the caller set each boundary (accelerate, Trainer): rounded down to one, lest a
+    # loop that lets the engine count update after fewer micro-batches than an accumulation.
+    control.micro_steps = state["micro_steps"] - state["micro_steps"] % control.accumulation
     control.skipped_steps = state["skipped_steps"]
     control.grad_norm = state["grad_norm"]
     if control.scaler is not None and state["scaler"] is not None:
