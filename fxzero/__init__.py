@@ -32,6 +32,7 @@ _EXPORTS = {
     "Cpu": "fxzero.config",
     "Device": "fxzero.config",
     "Engine": "fxzero.runtime.engine",
+    "LeafModules": "fxzero.config",
     "LinkEmulation": "fxzero.config",
     "Lamb": "fxzero.config",
     "Lion": "fxzero.config",

@@ -27,6 +27,7 @@ from fxzero.config.batch import resolve_batch
 from fxzero.config.batch import BatchSizes
 from fxzero.config.effects import SlowSetting, ineffective_settings, slow_settings, warn_ineffective, warn_once
 from fxzero.config.notices import print_once
+from fxzero.leaf_modules import apply_leaf_modules
 from fxzero.runtime.comm import make_comm
 from fxzero.runtime.device import process_group_backend, rank_device
 from fxzero.trace import DataDependentControlFlow
@@ -147,6 +148,7 @@ def _compile(model, config, state_dict, model_parameters, device=None) -> Engine
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxzero.compile expects an nn.Module, got {type(model).__name__}")
     groups, group_of, ungrouped = param_groups(model, model_parameters, config.optimizer)  # (before any allocation)
+    apply_leaf_modules(model, config.leaf_modules)  # (as DeepSpeed's initialize flags them: before the units)
     _ensure_process_group()
     device = rank_device() if device is None else torch.device(device)
     if config.keep_host_memory and not torch.cuda.is_available():

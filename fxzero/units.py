@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from fxzero.config import Config, UnitsPolicy
+from fxzero.config.notices import warn_ineffective
 from fxzero.ir.layout import ParamSlot, UnitLayout, unique_parameters
+from fxzero.leaf_modules import z3_leaf_module
 
 __all__ = ["FROZEN_SUFFIX", "ROOT", "TAIL", "bucket_units", "persistent_units", "plan_units"]
 
@@ -28,22 +30,22 @@ def _is_block_container(module: nn.Module) -> bool:
 
 
 def _unit_roots(model: nn.Module, policy: UnitsPolicy) -> list[str]:
-    """FQNs of the modules that form units, outermost-first, in module order."""
-
-    def matches(fqn: str, module: nn.Module) -> bool:
-        if policy.is_default:
-            return False
-        return (
-            isinstance(module, policy.module_classes)
-            or fqn in policy.fqn_prefixes
-            or (policy.predicate is not None and bool(policy.predicate(fqn, module)))
-        )
-
+    """FQNs of the modules that form units, outermost-first, in module order: those the policy
+    matches, and leaf modules outside them ([Note: leaf modules are never split across units]),
+    whose own children are then never units."""
     roots: list[str] = []
+    if z3_leaf_module(model):  # (the whole model one piece: the root unit)
+        return roots
+    unsplit: list[str] = []  # leaves the policy would have split
 
     def visit(fqn: str, module: nn.Module) -> None:
-        if fqn and matches(fqn, module):
+        if fqn and (policy.matches(fqn, module) or z3_leaf_module(module)):
             roots.append(fqn)
+            inside = [] if policy.matches(fqn, module) else [  # (else: the policy's own outermost-first rule)
+                f"{fqn}.{name}" for name, m in module.named_modules() if name and policy.matches(f"{fqn}.{name}", m)]
+            if inside:
+                unsplit.append(f"{fqn!r} ({type(module).__name__}; the policy matches {inside[:2]}"
+                               f"{' ...' if len(inside) > 2 else ''} inside it)")
             return
         if policy.is_default and _is_block_container(module):
             for name, child in module.named_children():
@@ -54,6 +56,12 @@ def _unit_roots(model: nn.Module, policy: UnitsPolicy) -> list[str]:
             visit(f"{fqn}.{name}" if fqn else name, child)
 
     visit("", model)
+    if unsplit:
+        warn_ineffective([
+            f"UnitsPolicy splits leaf modules, which are gathered whole ([Note: leaf modules are never split across "
+            f"units]), so each is one unit: {'; '.join(unsplit)}. To split them, unflag them "
+            "(deepspeed.utils.unset_z3_leaf_modules, or Config(leaf_modules=LeafModules(classes=())) for DeepSpeed's "
+            "default classes)"], stacklevel=4)
     return roots
 
 
@@ -85,7 +93,7 @@ def plan_units(model: nn.Module, policy: UnitsPolicy, world_size: int,
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     roots = _unit_roots(model, policy)
-    if not policy.is_default and not roots:
+    if not policy.is_default and not any(policy.matches(fqn, m) for fqn, m in model.named_modules() if fqn):
         raise ValueError(
             "UnitsPolicy matched no module: check module_classes / fqn_prefixes / predicate "
             "against model.named_modules()"

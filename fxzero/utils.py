@@ -8,6 +8,10 @@ states, a rank-aware logger, and the fp32 weights of a saved checkpoint.
 Each `safe_get_*` gathers the one unit holding the parameter and returns a new tensor of the
 parameter's shape on every rank (None where DeepSpeed gives None: no gradient yet, no state
 yet); each `safe_set_*` writes a full value given on every rank into every rank's shard.
+
+`set_z3_leaf_modules(model, [MoeBlock])` (Hugging Face's accelerate, LLaMA-Factory and axolotl
+call it for mixture-of-experts models at ZeRO-3) flags modules whose parameters are never split
+across units: `fxzero/leaf_modules.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from fxzero.leaf_modules import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,
+                                 set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
+                                 z3_leaf_module, z3_leaf_parameter)
 from fxzero.runtime.checkpoint.export import _checkpoint_dir
 from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.reader import CheckpointReader
@@ -29,7 +36,10 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "load_state_dict_from_zero_checkpoint",
            "log_dist", "logger", "recursive_getattr", "recursive_setattr",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+           # DeepSpeed's ZeRO-3 leaf modules (fxzero/leaf_modules.py)
+           "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
 
 
 def _logger() -> logging.Logger:

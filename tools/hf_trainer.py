@@ -81,6 +81,11 @@ RUNS: dict[str, dict] = {
     "accelerate-zero3-accumulation": {
         "script": "accelerate", "config": "ds_accelerate_zero3.json", "save_final": True,
         "args": ["{config}", "{workdir}", "--steps", "4", "--accumulation", "2"]},
+    # ... with a small Mixtral whose sparse blocks accelerate flags as ZeRO-3 leaf modules
+    # (transformer_moe_cls_names: deepspeed.utils.set_z3_leaf_modules), as accelerate's MoE users run.
+    "accelerate-zero3-moe": {
+        "script": "accelerate", "config": "ds_accelerate_zero3.json", "save_final": True,
+        "args": ["{config}", "{workdir}", "--steps", "3", "--accumulation", "2", "--moe"]},
     # PEFT's LoRA on a from_pretrained model at ZeRO-3 (get_peft_model before Trainer: its adapters
     # built beside the zero.Init model), adapter dropout, only the adapters trained and saved.
     "zero3-pretrained-peft-lora": {

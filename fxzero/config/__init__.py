@@ -1,6 +1,6 @@
 """User-facing configuration: `Config` and the policies it holds (frozen, keyword-only dataclasses).
 
-- `policies`: `UnitsPolicy`, `Prefetch`, `Bucket`, `LinkEmulation`, and the optimizers of
+- `policies`: `UnitsPolicy`, `LeafModules`, `Prefetch`, `Bucket`, `LinkEmulation`, and the optimizers of
   `optimizers` (`OptimizerPolicy`: `AdamW`, `Adam`, `Adamax`, `NAdam`, `RAdam`, `Adagrad`, `SGD`,
   `RMSprop`, `Adadelta`, `ASGD`, `Rprop`, `Lion`, `Lamb`);
 - `placement`: where model states live, `Device`, `Cpu`, `Nvme`, and `Offload`;
@@ -15,7 +15,7 @@ from fxzero.config.activations import Activations
 from fxzero.config.config import TRANSPORTS, Config
 from fxzero.config.placement import OPTIMIZER_STATES, Cpu, Device, Nvme, Offload, Placement, state_kinds
 from fxzero.config.policies import (ASGD, OPTIMIZERS, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Bucket,
-                                    Lamb, LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
+                                    Lamb, LeafModules, LinkEmulation, Lion, NAdam, OptimizerPolicy, Prefetch, RAdam, RMSprop, Rprop,
                                     UnitsPolicy)
 from fxzero.config.precision import Autocast, LossScale, MixedPrecision
 from fxzero.config.random_ltd import RandomLTD
@@ -38,6 +38,7 @@ __all__ = [
     "Cpu",
     "Device",
     "Lamb",
+    "LeafModules",
     "LinkEmulation",
     "Lion",
     "LossScale",

@@ -29,7 +29,8 @@ from fxzero.config.deepspeed import read_deepspeed
 from fxzero.config.notices import print_once, warn_ineffective
 from fxzero.config.placement import Offload
 from fxzero.config.precision import Autocast, MixedPrecision
-from fxzero.config.policies import OPTIMIZERS, AdamW, Bucket, LinkEmulation, OptimizerPolicy, Prefetch, UnitsPolicy
+from fxzero.config.policies import (OPTIMIZERS, AdamW, Bucket, LeafModules, LinkEmulation, OptimizerPolicy, Prefetch,
+                                    UnitsPolicy)
 from fxzero.config.random_ltd import RandomLTD
 from fxzero.config.tiling import Tiling
 
@@ -48,6 +49,10 @@ class Config:
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     units: UnitsPolicy = UnitsPolicy()
     """How parameters are grouped into units (the sharding granularity)."""
+    leaf_modules: LeafModules = LeafModules()
+    """Modules flagged as leaves when the engine starts, never split across units (DeepSpeed's
+    `zero_optimization.leaf_module`; by default its classes, the sparse mixture-of-experts blocks of
+    Mixtral, Qwen2-MoE and Qwen3-MoE). `LeafModules(classes=())` flags none."""
     optimizer: OptimizerPolicy = AdamW()
     """The optimizer run on each rank's shard: one of `fxzero.config.OPTIMIZERS` (AdamW, Adam,
     Adagrad, SGD, Lion and torch.optim's other element-wise ones, and Lamb), whose declared states
@@ -164,6 +169,8 @@ class Config:
             raise ValueError(f"Config.program_cache_size must be an int >= 1, got {self.program_cache_size!r}")
         if not isinstance(self.units, UnitsPolicy):
             raise TypeError(f"Config.units must be a fxzero.UnitsPolicy, got {type(self.units).__name__}")
+        if not isinstance(self.leaf_modules, LeafModules):
+            raise TypeError(f"Config.leaf_modules must be a fxzero.LeafModules, got {type(self.leaf_modules).__name__}")
         if not isinstance(self.optimizer, OptimizerPolicy):
             raise TypeError(f"Config.optimizer must be an fxzero optimizer policy ("
                             f"{', '.join('fxzero.' + p.__name__ for p in OPTIMIZERS)}), got "

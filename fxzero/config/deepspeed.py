@@ -34,7 +34,7 @@ from fxzero.config.deepspeed_defaults import DEFAULTS, FIELD_NAMES, OPTIMIZER_DE
 from fxzero.config.deepspeed_keys import (
     AUTO_IMPLIED, ELEMENTWISE_TORCH, KEYS, NO_EFFECT, OPTIMIZER_PARAMS, SECTION, UNSUPPORTED, Key)
 from fxzero.config.placement import Cpu, Device, Nvme, Offload, Placement
-from fxzero.config.policies import Adagrad, Adam, AdamW, Lamb, Lion, OptimizerPolicy, Prefetch
+from fxzero.config.policies import Adagrad, Adam, AdamW, Lamb, LeafModules, Lion, OptimizerPolicy, Prefetch
 from fxzero.config.precision import Autocast, LossScale, MixedPrecision
 from fxzero.config.random_ltd import random_ltd_from_deepspeed
 from fxzero.config.schedules import schedule_from_deepspeed
@@ -414,6 +414,29 @@ def _autocast(ds: dict[str, Any], get: Any, mp: "MixedPrecision | None", notes: 
     return Autocast(dtype=dtype)
 
 
+_LEAF_KEYS = ("classes", "names", "name_suffixes")
+
+
+def _leaf_modules(section: Any) -> "LeafModules | None":
+    """zero_optimization.leaf_module as a LeafModules (None: not given, Config's default, which is
+    DeepSpeed's); each field takes a name or a list of names, as DeepSpeed's does."""
+    if section is None or section == {}:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"DeepSpeed config: zero_optimization.leaf_module must be an object with {list(_LEAF_KEYS)}, "
+                         f"got {section!r}")
+    for key, given in section.items():
+        if key not in _LEAF_KEYS:
+            near = difflib.get_close_matches(key, _LEAF_KEYS, n=1)
+            raise ValueError(f"DeepSpeed config: unknown key 'zero_optimization.leaf_module.{key}'"
+                             f"{_did_you_mean(near[0]) if near else f'; it takes {list(_LEAF_KEYS)}'}")
+        names = [given] if isinstance(given, str) else given
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"DeepSpeed config: zero_optimization.leaf_module.{key} must be a name or a list of "
+                             f"names, got {given!r}")
+    return LeafModules(**{key: tuple([v] if isinstance(v, str) else v) for key, v in section.items()})
+
+
 def _int_or_none(get: Any, key: str) -> "int | None":
     v = get(key)
     if v is None:
@@ -518,6 +541,9 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
     random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
     if random_ltd is not None:
         fields["random_ltd"] = random_ltd
+    leaf = _leaf_modules(get("zero_optimization.leaf_module"))
+    if leaf is not None:
+        fields["leaf_modules"] = leaf
     if optimizer_section is not None:  # (without one DeepSpeed builds none: Config's default, or the client's)
         fields["optimizer"] = _optimizer(optimizer_section, offload.offloaded("optimizer"))
     return DeepSpeedReading(fields, reader.ineffective, reader.resolved, notes)

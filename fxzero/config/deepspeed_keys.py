@@ -296,7 +296,10 @@ KEYS: dict[str, Key] = {
     "zero_optimization.log_trace_cache_warnings": _none("fxzero traces one static program per input signature"),
     "zero_optimization.enable_sanity_checks": _none("fxzero validates every schedule it builds"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": _none("fxzero has no Muon optimizer"),
-    "zero_optimization.leaf_module": _none("fxzero traces one graph; units come from Config.units"),
+    "zero_optimization.leaf_module": _used(
+        "Config.leaf_modules (fxzero.LeafModules: classes, names, name_suffixes, DeepSpeed's default classes kept "
+        "beside names given): modules whose parameters are never split across units, read whole by "
+        "fxzero/config/deepspeed.py"),
     # -- features fxzero does not have (an error where they would change training) ------------
     "activation_checkpointing": _section("activation checkpointing: fxzero recomputes every unit's forward in the "
                                          "backward (Activations(recompute=\"unit\")) with no model edits, where "

@@ -34,8 +34,46 @@ import torch.nn as nn
 from fxzero.config.optimizers import (ASGD, OPTIMIZERS, Adadelta, Adagrad, Adam, Adamax, AdamW, Lamb, Lion, NAdam,
                                       OptimizerPolicy, RAdam, RMSprop, Rprop, SGD)
 
-__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Bucket", "Lamb", "LinkEmulation",
+__all__ = ["ASGD", "OPTIMIZERS", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "Bucket", "DEFAULT_LEAF_CLASSES", "Lamb", "LeafModules",
+           "LinkEmulation",
            "Lion", "NAdam", "OptimizerPolicy", "Prefetch", "RAdam", "RMSprop", "Rprop", "SGD", "UnitsPolicy"]
+
+
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed 0.19's default `zero_optimization.leaf_module.classes`, which its `initialize` flags
+whether or not a config names the section."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeafModules:
+    """Modules flagged as leaves when the engine starts, whose parameters are never split across
+    units ([Note: leaf modules are never split across units] in `fxzero/leaf_modules.py`):
+    DeepSpeed's `zero_optimization.leaf_module` section. `deepspeed.utils.set_z3_leaf_modules`
+    flags modules the same way from a script."""
+
+    classes: tuple = DEFAULT_LEAF_CLASSES
+    """Module classes, or their names (`__name__`, or fully qualified as `module.QualName`)."""
+    names: tuple[str, ...] = ()
+    """Module names as `model.named_modules()` gives them."""
+    name_suffixes: tuple[str, ...] = ()
+    """Ends of module names."""
+
+    def __post_init__(self) -> None:
+        for field in ("classes", "names", "name_suffixes"):
+            value = getattr(self, field)
+            if isinstance(value, (str, type)):
+                value = (value,)  # (as DeepSpeed takes one name for a list of one)
+            value = tuple(dict.fromkeys(value))
+            object.__setattr__(self, field, value)
+            allowed = (str, type) if field == "classes" else (str,)
+            bad = [v for v in value if not isinstance(v, allowed)]
+            if bad:
+                raise TypeError(f"LeafModules.{field} takes {'module classes or ' if field == 'classes' else ''}"
+                                f"names (strings), got {bad!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +108,14 @@ class UnitsPolicy:
     @property
     def is_default(self) -> bool:
         return not (self.module_classes or self.fqn_prefixes or self.predicate)
+
+    def matches(self, fqn: str, module: nn.Module) -> bool:
+        """Whether `module` (named `fqn` in the model) is one the fields make a unit (never with the
+        default policy, whose units are the items of module lists)."""
+        return not self.is_default and (
+            isinstance(module, self.module_classes)
+            or fqn in self.fqn_prefixes
+            or (self.predicate is not None and bool(self.predicate(fqn, module))))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -59,6 +59,7 @@ import torch
 import torch.nn as nn
 
 from fxzero.ir.layout import ParamSlot, UnitLayout
+from fxzero.leaf_modules import mark_leaf_parameters
 from fxzero.runtime.agreement import agree
 from fxzero.runtime.comm import Comm
 from fxzero.runtime.state import RankState
@@ -79,7 +80,8 @@ class ZeroParamStatus(enum.Enum):
     so no parameter is ever left in it."""
 
 
-_DS_ATTRS = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_persist", "ds_active_sub_modules")
+_DS_ATTRS = ("ds_id", "ds_status", "ds_shape", "ds_numel", "ds_persist", "ds_active_sub_modules",
+             "ds_z3_leaf_module")
 """The attributes DeepSpeed's ZeRO-3 parameters carry that programs read ([Note: the DeepSpeed
 attributes of a parameter])."""
 
@@ -158,6 +160,8 @@ class UserModule:
                     u in state.whole for u in self.units_of.get(fqn, [])), available=False)
             else:
                 unmark_zero3(p)  # (built under zero.Init, trained at ZeRO-1/2: DeepSpeed's are ZeRO-3's alone)
+        if zero3:
+            mark_leaf_parameters(model)
         self._engine: Any = None  # a weak reference to the engine, set by it
         self._hooks = []
         pre, post = _function(self._state_dict_pre_hook), _function(self._state_dict_post_hook)

@@ -67,6 +67,8 @@ def _compare(name: str, got: dict) -> None:
             assert _close(g["grad_norm"], w["grad_norm"], 1e-5), (name, g, w)
             assert _close(g["learning_rate"], w["learning_rate"], 1e-9), (name, g, w)
     assert all(_close(g, w, 1e-9) for g, w in zip(got.get("lrs", []), want.get("lrs", []))), name
+    for key in ("leaf_modules", "leaf_parameters"):  # (accelerate's MoE run: set_z3_leaf_modules' flags)
+        assert got.get(key) == want.get(key), (name, key, got.get(key), want.get(key))
     assert not want["log"] or len({h["loss"] for h in want["log"]}) >= 3, "the reference is a real run (its losses vary)"
     assert [h["step"] for h in got["eval"]] == [h["step"] for h in want["eval"]], name
     assert all(abs(g["eval_loss"] - w["eval_loss"]) <= 1e-5 for g, w in zip(got["eval"], want["eval"])), name
@@ -105,6 +107,15 @@ def test_trainer_trains_and_saves_the_model_as_deepspeed(name, tmp_path, pretrai
     initial = _initial_fingerprint(tmp_path)
     moved = max(abs(a - b) / abs(b) for k in initial for a, b in zip(got["fingerprint"][k], initial[k]) if b)
     assert moved > 1e-3, "the saved model is the trained one, not the initial one"
+
+
+def test_accelerate_flags_the_experts_blocks_as_zero3_leaves_as_deepspeed(tmp_path, pretrained):
+    """accelerate's mixture-of-experts path (`transformer_moe_cls_names`) imports
+    `deepspeed.utils.set_z3_leaf_modules` and flags each Mixtral sparse block (an ImportError
+    before): the losses, the saved model, and which modules and parameters are leaves, as DeepSpeed's."""
+    got = hf_trainer.launch("fxzero", "accelerate-zero3-moe", str(tmp_path), sys.executable, pretrained)
+    _compare("accelerate-zero3-moe", got)
+    assert (got["leaf_modules"], got["leaf_parameters"]) == (2, 6)  # (a block a layer: its router, its experts' 2)
 
 
 def test_from_pretrained_at_zero3_checkpoints_and_resumes_as_deepspeed(tmp_path, pretrained):
