@@ -63,12 +63,13 @@ from fxzero._compat import (
     upper_bound,
     where_fixed,
 )
+from fxzero.module_state import StatefulForward, changed, restore, snapshot
 from fxzero.ir.shapes import InputShapes
 from fxzero.target_device import TargetKernels, check_no_cpu_kernels, retarget
 from fxzero.ir.signature import JointSignature, argument_name, flatten_call
 from fxzero.ir.sizes import concrete, register_sizes
 
-__all__ = ["DataDependentControlFlow", "DataDependentShape", "TracedJoint", "UntraceableDtype", "trace_joint",
+__all__ = ["DataDependentControlFlow", "DataDependentShape", "StatefulForward", "TracedJoint", "UntraceableDtype", "trace_joint",
            "without_regions"]
 
 # native_batch_norm's schema does not declare that it updates running statistics; its
@@ -321,7 +322,21 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         ValueError: if the forward mutates a parameter or an input.
         DataDependentControlFlow: for a Python decision on a tensor's value, naming the line;
             `DataDependentShape` where a size that depends on the data cannot be followed.
+        StatefulForward: the forward changes its modules' attributes on every call ([Note: a
+            forward that changes its module's state] in `fxzero/module_state.py`); the modules'
+            attributes are left as they were before the trace.
     """
+    before = snapshot(model)
+    try:
+        return _trace_joint(model, example_inputs, kwargs, param_dtype, forward_only, trainable, device, scopes)
+    except BaseException:  # (the trace's runs of the forward leave the modules as the caller gave them)
+        restore(model, before)
+        raise
+
+
+def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
+                 param_dtype: Optional[torch.dtype], forward_only: bool, trainable: Optional[Collection[str]],
+                 device: Any, scopes: Collection[str]) -> TracedJoint:
     _check_model(model)
     leaves, in_spec = flatten_call(example_inputs, kwargs)
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -400,6 +415,7 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             out_all, out_spec = found[0]
         else:
             out_all, out_spec = output_leaves(forward(fp, fb, fi))
+    after_first = snapshot(model)  # ([Note: a forward that changes its module's state])
     constants: dict[int, Any] = {}
     dropped = []
     out_paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(
@@ -446,6 +462,9 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             gm = make_fx(torch.func.functionalize(mutating, remove="mutations"), tracing_mode=tracing_mode)(*detached)
         else:  # [Note: a trace with nothing to functionalize]
             gm = gm_mutating
+    changes = changed(after_first, snapshot(model))
+    if changes:
+        raise StatefulForward(changes)
     if tagged:
         _region_tags(gm)
 

@@ -1,0 +1,127 @@
+"""The Python state of a model's modules, and forwards that change it on every call.
+
+[Note: a forward that changes its module's state]
+A trace runs the forward in Python and records the tensor operations it reaches; the Python
+around them runs at trace time only. A forward that keeps Python state on its module and decides
+by it (DeepSpeed's leaf-module test model picks `self.linears[self.counter % 2]` and then does
+`self.counter += 1`) would be traced once and replayed with the trace's decision on every later
+call: a silent wrong answer (that model trained one of its two layers). So the trace snapshots
+each module's own attributes (not its parameters, buffers, submodules or hooks) before the
+forward, after the first of its two runs of the forward and after the second
+(`fxzero/trace.py::trace_joint`). A change in the second run means the forward changes the
+state on every call: the snapshot from before is put back and `StatefulForward` raised, which
+an engine answers by running that forward eagerly, as eager PyTorch would, and which
+`fxzero schedule` reports. A change in the first run only (an attribute set on the first call
+and the same after every later one, a lazily built table) leaves the program valid, and stays.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["StatefulForward", "changed", "restore", "snapshot"]
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+"""The attributes every nn.Module has (its parameters, buffers, submodules, hooks): not the
+module's own state."""
+
+Snapshot = dict[tuple[str, str], tuple[Any, Any]]
+"""(module FQN, attribute) -> (the object, a copy of its value then where it is plain data, else
+None: compared by identity)."""
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+class StatefulForward(ValueError):
+    """The forward changes its modules' Python attributes on every call
+    ([Note: a forward that changes its module's state])."""
+
+    needs_values = True
+    """As `fxzero.trace.DataDependentControlFlow.needs_values`: an engine runs the forward eagerly."""
+
+    def __init__(self, changes: list[str]) -> None:
+        super().__init__(
+            f"the forward changes {'; '.join(changes[:3])}{' ...' if len(changes) > 3 else ''} on every call: fxzero "
+            "traces the model once into one static program, which would repeat the traced call's Python decisions "
+            "and not the change. Keep such state out of the module's attributes (pass it as an input, or keep it in "
+            "a buffer the forward updates with tensor operations)")
+        self.changes = changes
+
+    def with_rank(self, rank: int) -> "StatefulForward":
+        self.args = (f"[rank {rank}] {self.args[0]}",)
+        return self
+
+
+def _own_state(module: nn.Module):
+    for name, value in vars(module).items():  # (methods and functions set on it are behaviour, not state)
+        if name not in _MODULE_INTERNALS and not isinstance(value, (torch.Tensor, nn.Module)) and not callable(value):
+            yield name, value
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Numbers, strings, None, and lists, tuples, sets and dicts of them: the values a forward
+    decides by, copied and compared by value. Any other object is compared by identity (an
+    attribute rebound to another object is a change; one changed inside is not seen)."""
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def snapshot(model: nn.Module) -> Snapshot:
+    """Each module's own attributes: the object, and a copy where it is plain data."""
+    return {(fqn, name): (value, copy.deepcopy(value) if _plain(value) else None)
+            for fqn, module in model.named_modules() for name, value in _own_state(module)}
+
+
+def _differs(old: "tuple[Any, Any] | None", new: "tuple[Any, Any] | None") -> bool:
+    if old is None or new is None:
+        return True
+    if old[1] is None or new[1] is None:  # (not plain data, then or now: by identity)
+        return old[0] is not new[0] or (old[1] is None) != (new[1] is None)
+    return type(old[1]) is not type(new[1]) or old[1] != new[1]
+
+
+def changed(before: Snapshot, after: Snapshot) -> list[str]:
+    """What differs between two snapshots, as "module.attribute (before -> after)" lines."""
+    out = []
+    for key in sorted(before.keys() | after.keys()):
+        old, new = before.get(key), after.get(key)
+        if _differs(old, new):
+            fqn, name = key
+            show = lambda v: "unset" if v is None else _short(v[0] if v[1] is None else v[1])  # noqa: E731
+            out.append(f"{f'{fqn}.{name}' if fqn else name} ({show(old)} -> {show(new)})")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def restore(model: nn.Module, before: Snapshot) -> None:
+    """Put back the attributes changed since `before` (the same object where it was replaced,
+    its copy from then where plain data was changed in place; one set since is removed). The
+    others are left alone, so objects modules share (a config) stay shared."""
+    after = snapshot(model)
+    modules = dict(model.named_modules())
+    for key in before.keys() | after.keys():
+        old, new = before.get(key), after.get(key)
+        if not _differs(old, new):
+            continue
+        fqn, name = key
+        if old is None:
+            delattr(modules[fqn], name)
+        elif new is not None and old[0] is new[0] and old[1] is not None:  # (changed in place: its copy)
+            setattr(modules[fqn], name, copy.deepcopy(old[1]))
+        else:
+            setattr(modules[fqn], name, old[0])
