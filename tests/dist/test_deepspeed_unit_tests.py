@@ -149,6 +149,18 @@ def test_deepspeeds_zero_unit_tests_pass_unchanged_under_fxzero_run(tmp_path):
     assert "fxzero run: `import deepspeed` is fxzero" in out
 
 
+UNWRAP = "unit/runtime/zero/test_unwrap_model.py"
+"""DeepSpeed's `unwrap_model_for_generation` (`deepspeed.runtime.zero`): the whole model gathered,
+the hooks off inside the block and back after it, then training on (2 classes, 2 tests)."""
+
+
+@pytest.mark.timeout(600)
+def test_deepspeeds_unwrap_model_for_generation_tests_pass_unchanged(tmp_path):
+    code, out = _run([UNWRAP], tmp_path)
+    passed = sorted(re.findall(rf"^PASSED {re.escape(UNWRAP)}::(\S+)", out, re.M))
+    assert code == 0 and passed == ["TestUnwrapModel::test", "TestUnwrapModelTraceInvalidate::test"], out[-6000:]
+
+
 def _skipped_on_cpu(test: str) -> bool:
     """The skips DeepSpeed's file makes on this CPU: fp16 (no fast kernel) and MiCS."""
     return "muon" in test or "dtype1" in test or test in SKIPPED_ON_CPU
