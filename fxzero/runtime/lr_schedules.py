@@ -30,13 +30,31 @@ from typing import Any, Optional
 
 import torch
 
-from fxzero.config.schedules import LRRangeTest, LRSchedule, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from fxzero.config import schedules as cfg
 
-__all__ = ["VALID_LR_SCHEDULES", "Scheduler", "build_scheduler"]
+__all__ = ["VALID_LR_SCHEDULES", "LRRangeTest", "OneCycle", "Scheduler", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR",
+           "build_scheduler"]
 
-VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+# DeepSpeed's names for the config's keys and schedule types (`deepspeed.runtime.lr_schedules`),
+# which scripts import to write a config or build a scheduler
+LR_SCHEDULE = "lr_schedule"
+LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR = "LRRangeTest", "OneCycle", "WarmupLR"
+WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupDecayLR", "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 """The config's scheduler types, as DeepSpeed names them (`deepspeed.runtime.lr_schedules`: accelerate
 tells a scheduler DeepSpeed built from a client's by its class name in this list)."""
+LR_RANGE_TEST_MIN_LR, LR_RANGE_TEST_STEP_RATE = "lr_range_test_min_lr", "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE, LR_RANGE_TEST_STAIRCASE = "lr_range_test_step_size", "lr_range_test_staircase"
+EDGE_VALUE, MID_VALUE = "edge_value", "mid_value"
+CYCLE_FIRST_STEP_SIZE, CYCLE_FIRST_STAIR_COUNT = "cycle_first_step_size", "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE, CYCLE_SECOND_STAIR_COUNT = "cycle_second_step_size", "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR, CYCLE_MAX_LR, DECAY_LR_RATE = "cycle_min_lr", "cycle_max_lr", "decay_lr_rate"
+CYCLE_MIN_MOM, CYCLE_MAX_MOM, DECAY_MOM_RATE = "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"
+WARMUP_MIN_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS = "warmup_min_lr", "warmup_max_lr", "warmup_num_steps"
+WARMUP_TYPE, WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "warmup_type", "log", "linear"
+WARMUP_MIN_RATIO, COS_MIN_RATIO = "warmup_min_ratio", "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
 
 
 def _warmup_fraction(i: int, warmup_steps: int, warmup_type: str) -> float:
@@ -105,11 +123,17 @@ class _WarmupLR(Scheduler):
     """lr(i) = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * g(i); warmup_max_lr None is each
     group's lr when built."""
 
-    def __init__(self, schedule: WarmupLR | WarmupDecayLR, optimizer: torch.optim.Optimizer, last_step: int):
+    def __init__(self, schedule: cfg.WarmupLR | cfg.WarmupDecayLR, optimizer: torch.optim.Optimizer, last_step: int,
+                 per_group: Optional[tuple[list[float], Optional[list[float]]]] = None):
+        """`per_group`: each group's warmup_min_lr and warmup_max_lr in place of the schedule's (DeepSpeed's
+        class takes lists)."""
         self.schedule = schedule
         self.warmup_steps = max(2, schedule.warmup_num_steps)
-        self.min_lrs = [schedule.warmup_min_lr] * len(optimizer.param_groups)
-        if schedule.warmup_max_lr is None:
+        mins, maxs = per_group or (None, None)
+        self.min_lrs = mins or [schedule.warmup_min_lr] * len(optimizer.param_groups)
+        if maxs is not None:
+            self.max_lrs = maxs
+        elif schedule.warmup_max_lr is None:
             self.max_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         else:
             self.max_lrs = [schedule.warmup_max_lr] * len(optimizer.param_groups)
@@ -145,11 +169,19 @@ class _WarmupCosineLR(Scheduler):
     WarmupDecayLR's. lr0 is not in `state_dict` (as in DeepSpeed): build the scheduler before
     loading an optimizer state whose lrs it wrote."""
 
-    def __init__(self, schedule: WarmupCosineLR, optimizer: torch.optim.Optimizer, last_step: int):
+    def __init__(self, schedule: cfg.WarmupCosineLR, optimizer: torch.optim.Optimizer, last_step: int):
         self.schedule = schedule
         self.warmup_steps = max(2, schedule.warmup_num_steps)
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        # (DeepSpeed's attributes, which scripts read)
+        self.total_num_steps, self.warmup_num_steps = schedule.total_num_steps, self.warmup_steps
+        self.warmup_min_ratio, self.cos_min_ratio = schedule.warmup_min_ratio, schedule.cos_min_ratio
+        self.warmup_type = schedule.warmup_type
         super().__init__(optimizer, last_step)
+
+    def get_lr_ratio(self) -> float:
+        """The ratio of each group's lr at the current step (DeepSpeed's)."""
+        return self._ratio(self.last_batch_iteration)
 
     def _ratio(self, i: int) -> float:
         s = self.schedule
@@ -180,8 +212,14 @@ class _OneCycle(Scheduler):
     0.99) into every group, replacing the second beta too, as DeepSpeed does; an optimizer with
     no "betas" in its defaults keeps its own (DeepSpeed warns and cycles none)."""
 
-    def __init__(self, schedule: OneCycle, optimizer: torch.optim.Optimizer, last_step: int):
+    def __init__(self, schedule: cfg.OneCycle, optimizer: torch.optim.Optimizer, last_step: int,
+                 per_group: Optional[dict[str, list[float]]] = None):
+        """`per_group`: each group's cycle_min_lr, cycle_max_lr, cycle_min_mom or cycle_max_mom in place
+        of the schedule's one value (DeepSpeed's class takes lists)."""
         s = self.schedule = schedule
+        groups = len(optimizer.param_groups)
+        self.bounds = {name: (per_group or {}).get(name) or [getattr(s, name)] * groups
+                       for name in ("cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom")}
         # An unset second half is shaped as the first, as in DeepSpeed.
         self.first, self.first_stairs = s.cycle_first_step_size, s.cycle_first_stair_count
         self.second = self.first if s.cycle_second_step_size is None else s.cycle_second_step_size
@@ -190,9 +228,12 @@ class _OneCycle(Scheduler):
         if s.cycle_momentum and not self.cycle_momentum:
             warnings.warn(f"OneCycle.cycle_momentum has no effect: {type(optimizer).__name__} has no \"betas\" "
                           "(DeepSpeed cycles Adam-style betas only); set cycle_momentum=False", stacklevel=3)
+        # (DeepSpeed's attributes)
+        self.step_ratio = self.first / (self.first + self.second)
+        self.min_lrs, self.max_lrs = self.bounds["cycle_min_lr"], self.bounds["cycle_max_lr"]
         super().__init__(optimizer, last_step)
         if last_step == -1 and self.cycle_momentum:
-            self._write_momentum(s.cycle_min_mom)
+            self._write_momentum(self.bounds["cycle_min_mom"])
 
     def _height(self, i: int) -> float:
         total = self.first + self.second
@@ -212,22 +253,30 @@ class _OneCycle(Scheduler):
         return 1.0 + rate * (i - (self.first + self.second) + 1) / self.schedule.decay_step_size
 
     def lrs_at(self, i: int) -> list[float]:
-        s = self.schedule
+        lows, highs = self.bounds["cycle_min_lr"], self.bounds["cycle_max_lr"]
         if i < self.first + self.second:
-            lr = s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * self._height(i)
-        else:
-            lr = s.cycle_min_lr / self._decay(i, s.decay_lr_rate)
-        return [lr] * len(self.optimizer.param_groups)
+            height = self._height(i)
+            return [lo + (hi - lo) * height for lo, hi in zip(lows, highs)]
+        decay = self._decay(i, self.schedule.decay_lr_rate)
+        return [lo / decay for lo in lows]
 
-    def momentum_at(self, i: int) -> float:
-        """The momentum (first beta) of every group at step i."""
-        s = self.schedule
+    def momentum_at(self, i: int) -> list[float]:
+        """The momentum (first beta) of each group at step i."""
+        lows, highs = self.bounds["cycle_min_mom"], self.bounds["cycle_max_mom"]
         if i < self.first + self.second:
-            return s.cycle_max_mom - (s.cycle_max_mom - s.cycle_min_mom) * self._height(i)
-        return s.cycle_max_mom * self._decay(i, s.decay_mom_rate)
+            height = self._height(i)
+            return [hi - (hi - lo) * height for lo, hi in zip(lows, highs)]
+        decay = self._decay(i, self.schedule.decay_mom_rate)
+        return [hi * decay for hi in highs]
 
-    def _write_momentum(self, momentum: float) -> None:
-        for group in self.optimizer.param_groups:
+    def get_mom(self) -> Optional[list[tuple[float, float]]]:
+        """Each group's betas at the current step (None where momentum does not cycle), as DeepSpeed's."""
+        if not self.cycle_momentum:
+            return None
+        return [(m, 0.99) for m in self.momentum_at(self.last_batch_iteration)]
+
+    def _write_momentum(self, momenta: list[float]) -> None:
+        for group, momentum in zip(self.optimizer.param_groups, momenta):
             group["betas"] = (momentum, 0.99)
 
     def step(self, last_batch_iteration: Optional[int] = None) -> None:
@@ -240,7 +289,7 @@ class _LRRangeTest(Scheduler):
     """lr(i) = lr_range_test_min_lr * (1 + lr_range_test_step_rate * q),
     q = (i + 1) / lr_range_test_step_size, floored with lr_range_test_staircase."""
 
-    def __init__(self, schedule: LRRangeTest, optimizer: torch.optim.Optimizer, last_step: int):
+    def __init__(self, schedule: cfg.LRRangeTest, optimizer: torch.optim.Optimizer, last_step: int):
         self.schedule = schedule
         super().__init__(optimizer, last_step)
 
@@ -253,15 +302,15 @@ class _LRRangeTest(Scheduler):
 
 
 _SCHEDULERS: dict[type, type[Scheduler]] = {
-    WarmupLR: _WarmupLR,
-    WarmupDecayLR: _WarmupDecayLR,
-    WarmupCosineLR: _WarmupCosineLR,
-    OneCycle: _OneCycle,
-    LRRangeTest: _LRRangeTest,
+    cfg.WarmupLR: _WarmupLR,
+    cfg.WarmupDecayLR: _WarmupDecayLR,
+    cfg.WarmupCosineLR: _WarmupCosineLR,
+    cfg.OneCycle: _OneCycle,
+    cfg.LRRangeTest: _LRRangeTest,
 }
 
 
-def build_scheduler(schedule: LRSchedule, optimizer: torch.optim.Optimizer, last_step: int = -1) -> Scheduler:
+def build_scheduler(schedule: cfg.LRSchedule, optimizer: torch.optim.Optimizer, last_step: int = -1) -> Scheduler:
     """The scheduler of `schedule` on `optimizer`; see [Note: step counting] for `last_step`."""
     if type(schedule) not in _SCHEDULERS:
         raise TypeError(f"build_scheduler needs one of fxzero.config.schedules' "
@@ -271,3 +320,104 @@ def build_scheduler(schedule: LRSchedule, optimizer: torch.optim.Optimizer, last
     if isinstance(last_step, bool) or not isinstance(last_step, int) or last_step < -1:
         raise ValueError(f"build_scheduler: last_step must be an int >= -1 (-1: a fresh start), got {last_step!r}")
     return _SCHEDULERS[type(schedule)](schedule, optimizer, last_step)
+
+
+# -- DeepSpeed's classes, built on an optimizer by a script ------------------------------------------
+#
+# `from deepspeed.runtime.lr_schedules import WarmupLR; WarmupLR(optimizer, warmup_max_lr=...)`,
+# then stepped by hand or passed to initialize(lr_scheduler=...): DeepSpeed's signatures and
+# defaults, each the scheduler of the config's schedule of that name.
+
+
+def _per_group(optimizer: torch.optim.Optimizer, cls: str, name: str, value: Any) -> Optional[list[float]]:
+    """A list or tuple of one value per param group (DeepSpeed's classes take them), else None."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    if len(value) != len(optimizer.param_groups):
+        raise ValueError(f"{cls}: {name} has {len(value)} values for {len(optimizer.param_groups)} param groups; give "
+                         "one per group, or one number for all")
+    return [float(v) for v in value]
+
+
+class WarmupLR(_WarmupLR):
+    """DeepSpeed's `WarmupLR(optimizer, ...)` (`warmup_min_lr`, `warmup_max_lr`: a number, or one
+    per param group; `warmup_max_lr` None: each group's lr)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: Any = 0.0, warmup_max_lr: Any = None,
+                 warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+        name = type(self).__name__
+        mins = _per_group(optimizer, name, "warmup_min_lr", warmup_min_lr)
+        maxs = _per_group(optimizer, name, "warmup_max_lr", warmup_max_lr)
+        schedule = cfg.WarmupLR(warmup_min_lr=0.0 if mins else warmup_min_lr,
+                                warmup_max_lr=None if maxs else warmup_max_lr, warmup_num_steps=warmup_num_steps,
+                                warmup_type=warmup_type)
+        super().__init__(schedule, optimizer, last_batch_iteration, per_group=(mins, maxs))
+
+
+class WarmupDecayLR(_WarmupDecayLR):
+    """DeepSpeed's `WarmupDecayLR(optimizer, total_num_steps, ...)`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_lr: Any = 0.0,
+                 warmup_max_lr: Any = 0.001, warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE,
+                 last_batch_iteration: int = -1):
+        name = type(self).__name__
+        mins = _per_group(optimizer, name, "warmup_min_lr", warmup_min_lr)
+        maxs = _per_group(optimizer, name, "warmup_max_lr", warmup_max_lr)
+        schedule = cfg.WarmupDecayLR(total_num_steps=total_num_steps, warmup_min_lr=0.0 if mins else warmup_min_lr,
+                                     warmup_max_lr=0.001 if maxs else warmup_max_lr,
+                                     warmup_num_steps=warmup_num_steps, warmup_type=warmup_type)
+        super().__init__(schedule, optimizer, last_batch_iteration, per_group=(mins, maxs))
+
+
+class WarmupCosineLR(_WarmupCosineLR):
+    """DeepSpeed's `WarmupCosineLR(optimizer, total_num_steps, ...)`: ratios of each group's lr."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
+                 last_batch_iteration: int = -1):
+        super().__init__(cfg.WarmupCosineLR(total_num_steps=total_num_steps, warmup_min_ratio=warmup_min_ratio,
+                                            warmup_num_steps=warmup_num_steps, cos_min_ratio=cos_min_ratio,
+                                            warmup_type=warmup_type), optimizer, last_batch_iteration)
+
+
+def _one_value(cls: str, name: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        raise TypeError(f"{cls}: {name} is a list: fxzero's {cls} takes one value for every param group (DeepSpeed's "
+                        "also takes one per group); give one number, or build a scheduler per group's needs with "
+                        "torch.optim.lr_scheduler.LambdaLR")
+    return value
+
+
+class OneCycle(_OneCycle):
+    """DeepSpeed's `OneCycle(optimizer, cycle_min_lr, cycle_max_lr, ...)` (the lrs and momenta: a
+    number, or one per param group)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float, cycle_max_lr: float,
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: Optional[int] = None, cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count: Optional[int] = None, decay_step_size: int = 0, cycle_momentum: bool = True,
+                 cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1):
+        given = dict(cycle_min_lr=cycle_min_lr, cycle_max_lr=cycle_max_lr, cycle_min_mom=cycle_min_mom,
+                     cycle_max_mom=cycle_max_mom)
+        lists = {k: v for k, v in ((k, _per_group(optimizer, "OneCycle", k, v)) for k, v in given.items()) if v}
+        rest = dict(decay_lr_rate=decay_lr_rate, cycle_first_step_size=cycle_first_step_size,
+                    cycle_second_step_size=cycle_second_step_size, cycle_first_stair_count=cycle_first_stair_count,
+                    cycle_second_stair_count=cycle_second_stair_count, decay_step_size=decay_step_size,
+                    cycle_momentum=cycle_momentum, decay_mom_rate=decay_mom_rate)
+        # (each group's values checked as the schedule checks one; the first group's is the schedule)
+        schedules = [cfg.OneCycle(**{k: lists[k][g] if k in lists else v for k, v in given.items()}, **rest)
+                     for g in range(len(optimizer.param_groups) if lists else 1)]
+        super().__init__(schedules[0], optimizer, last_batch_iteration, per_group=lists)
+
+
+class LRRangeTest(_LRRangeTest):
+    """DeepSpeed's `LRRangeTest(optimizer, ...)`, one `lr_range_test_min_lr` for every group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
+        super().__init__(cfg.LRRangeTest(
+            lr_range_test_min_lr=_one_value("LRRangeTest", "lr_range_test_min_lr", lr_range_test_min_lr),
+            lr_range_test_step_size=lr_range_test_step_size, lr_range_test_step_rate=lr_range_test_step_rate,
+            lr_range_test_staircase=lr_range_test_staircase), optimizer, last_batch_iteration)
