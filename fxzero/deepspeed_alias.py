@@ -57,7 +57,7 @@ NAMES: dict[str, dict[str, str]] = {
                                           "zero_wrapper_for_fp_tensor_constructor":
                                               "fxzero.zero:zero_wrapper_for_fp_tensor_constructor"},
     "runtime.zero.utils": {"ZeRORuntimeException": "fxzero.zero:ZeRORuntimeException"},
-    "runtime.zero": {"unwrap_model_for_generation": "fxzero.runtime.parameter_offload:unwrap_model_for_generation"},
+    "runtime.zero": {"unwrap_model_for_generation": "fxzero.zero:unwrap_model_for_generation"},
     "utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": "fxzero.utils:get_fp32_state_dict_from_zero_checkpoint",
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},

@@ -36,7 +36,8 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "load_state_dict_from_zero_checkpoint",
            "log_dist", "logger", "recursive_getattr", "recursive_setattr",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_grad",
            # DeepSpeed's ZeRO-3 leaf modules (fxzero/leaf_modules.py)
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
@@ -250,6 +251,140 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of `model` under each of its names (tied ones under each)."""
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+# -- this rank's part of a parameter (DeepSpeed's safe_get_local_* / safe_set_*_grad) ----------------
+
+
+def _local_pieces(binding: UserModule, fqn: str) -> list[tuple[Any, int, int]]:
+    """(layout, a, b) for each unit holding `fqn`: elements [a, b) of this rank's shard of it are
+    the parameter's (in the parameter's flattened order; none where the shard holds none of it)."""
+    out = []
+    for layout, slot in _slots(binding, fqn):
+        lo, hi = layout.shard_range(binding.comm.rank)
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            out.append((layout, a - lo, b - lo))
+    return out
+
+
+def _local(binding: UserModule, fqn: str, shard_of: Callable[[Any], torch.Tensor]) -> Optional[torch.Tensor]:
+    pieces = [shard_of(layout)[a:b] for layout, a, b in _local_pieces(binding, fqn)]
+    return torch.cat(pieces).clone() if pieces else None
+
+
+def _grad_shard(binding: UserModule, layout: Any) -> torch.Tensor:
+    """This rank's reduced gradient shard of `layout`'s unit, waited for and fetched from a tier
+    (a view where it is held, so a write lands; on a tier, a copy: `_put_grad_shard` writes it back)."""
+    state = binding.state
+    held = state.grads[layout.name]
+    if isinstance(held, Pending):
+        held = state.grads[layout.name] = held.wait()
+    if held.numel() == 0:  # on a tier ([Note: accumulating on a tier])
+        held = state.store.get("grad", layout.name)
+    if held.numel() == layout.padded_numel:  # a unit held whole keeps its gradient whole (ZeRO-1)
+        lo, hi = layout.shard_range(binding.comm.rank)
+        held = held[lo:hi]
+    return held
+
+
+def _put_grad_shard(binding: UserModule, layout: Any, shard: torch.Tensor) -> None:
+    if binding.state.grads[layout.name].numel() == 0:  # (on a tier)
+        binding.state.store.put("grad", layout.name, shard)
+
+
+def _grads_ready(binding: UserModule, fqn: str, what: str) -> bool:
+    """Whether the parameter's gradient is reduced and held (False before a backward, after step())."""
+    engine = binding.engine
+    if engine is not None and engine._unreduced:
+        raise RuntimeError(f"[rank {binding.comm.rank}] {what} between accumulation boundaries with "
+                           "Config(gradient_accumulation='local'): the gradients are not reduced yet; call it after "
+                           "the boundary's backward")
+    return all(layout.name in binding.state.grads for layout, _ in _slots(binding, fqn))
+
+
+def _loss_scale(binding: UserModule) -> float:
+    engine = binding.engine
+    scaler = engine.control.scaler if engine is not None else None
+    return scaler.scale if scaler is not None else 1.0
+
+
+def safe_get_local_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's part of the parameter's fp32 master, flattened: the parameter's elements in this
+    rank's shard, in order (DeepSpeed's fragment at ZeRO-1/2; fxzero shards units, not single
+    parameters, at every stage). None where this rank holds none of it. Not a collective."""
+    binding, fqn = _bound(param, "safe_get_local_fp32_param")
+    return _local(binding, fqn, lambda layout: binding.state.local_shard(layout.name))
+
+
+def safe_get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's part of the parameter's reduced gradient (averaged over the ranks, unscaled), as
+    `safe_get_local_fp32_param` lays it out; None before a backward, after step(), or where this
+    rank holds none of it. Not a collective."""
+    binding, fqn = _bound(param, "safe_get_local_grad")
+    if not _grads_ready(binding, fqn, "safe_get_local_grad"):
+        return None
+    local = _local(binding, fqn, lambda layout: _grad_shard(binding, layout))
+    return None if local is None else local.float().div_(_loss_scale(binding))
+
+
+def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's part of the parameter's optimizer state `optim_state_key`; None before the
+    first step, or where this rank holds none of it. Not a collective."""
+    binding, fqn, _ = _optimizer_state(param, optim_state_key, "safe_get_local_optimizer_state")
+    state = binding.state
+    if _slots(binding, fqn)[0][0].name not in state.steps:
+        return None
+    offloaded = state.store is not None and state.store.offloaded(optim_state_key)
+    return _local(binding, fqn, lambda layout: state.store.get(optim_state_key, layout.name) if offloaded
+                  else state.optimizer_states[layout.name][optim_state_key])
+
+
+def _set_grad(binding: UserModule, fqn: str, part: Callable[[Any, int, int], torch.Tensor], what: str) -> None:
+    if not _grads_ready(binding, fqn, what):
+        raise RuntimeError(f"[rank {binding.comm.rank}] {what}: the parameter has no gradient to replace (before a "
+                           "backward, or after step()); call it between engine.backward(loss) and engine.step()")
+    scale = _loss_scale(binding)
+    for layout, a, b in _local_pieces(binding, fqn):
+        shard = _grad_shard(binding, layout)
+        shard[a:b].copy_(part(layout, a, b).to(shard.dtype) * scale if scale != 1.0 else part(layout, a, b))
+        _put_grad_shard(binding, layout, shard)
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace the parameter's reduced gradient with `value` (its full shape, the same on every
+    rank), which the next step() applies (clipped and scaled as any). Call it between
+    engine.backward(loss) and engine.step(), on every rank."""
+    binding, fqn = _bound(param, "safe_set_full_grad")
+    _, slot = binding.slot[fqn]
+    if tuple(value.shape) != slot.full_shape:
+        raise ValueError(f"safe_set_full_grad: the value has shape {tuple(value.shape)}, the parameter {slot.full_shape}")
+    flat = value.reshape(-1)
+    slots = dict((layout.name, s) for layout, s in _slots(binding, fqn))
+
+    def part(layout: Any, a: int, b: int) -> torch.Tensor:
+        lo, _ = layout.shard_range(binding.comm.rank)
+        s = slots[layout.name]
+        return flat[s.start + lo + a - s.offset : s.start + lo + b - s.offset]
+
+    _set_grad(binding, fqn, part, "safe_set_full_grad")
+
+
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace this rank's part of the parameter's reduced gradient with `value` (laid out as
+    `safe_get_local_grad` gives it). Not a collective."""
+    binding, fqn = _bound(param, "safe_set_local_grad")
+    pieces = _local_pieces(binding, fqn)
+    size = sum(b - a for _, a, b in pieces)
+    if value.numel() != size:
+        raise ValueError(f"safe_set_local_grad: the value has {value.numel()} elements, this rank's part of the "
+                         f"parameter {size} (see safe_get_local_grad)")
+    flat, offsets, at = value.reshape(-1), {}, 0
+    for layout, a, b in pieces:
+        offsets[layout.name] = at - a
+        at += b - a
+    _set_grad(binding, fqn, lambda layout, a, b: flat[a + offsets[layout.name] : b + offsets[layout.name]],
+              "safe_set_local_grad")
 
 
 def __getattr__(name: str) -> Any:

@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import hashlib
 import weakref
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -73,7 +73,8 @@ from fxzero.runtime.materialize import rng_from
 from fxzero.runtime.user_module import ZeroParamStatus, binding_of, mark_zero3
 
 __all__ = ["GatheredParameters", "Init", "InitRecord", "ZeRORuntimeException", "ZeroParamStatus", "init_record",
-           "param_status", "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+           "param_status", "register_external_parameter", "unwrap_model_for_generation",
+           "zero_wrapper_for_fp_tensor_constructor"]
 
 _RECORD = "_fxzero_zero_init"
 """The attribute a module built under `Init` carries: its `InitRecord`."""
@@ -485,3 +486,24 @@ def _whole_from_holder(params: list[torch.Tensor], holder: int, modifier_rank: O
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if rng_alike:
             rng_from(holder)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """DeepSpeed's `deepspeed.runtime.zero.unwrap_model_for_generation(engine)`: inside the block
+    every parameter is whole (`GatheredParameters` over them all) and the direct-call hooks are
+    removed, so `model.generate(...)` runs on the whole model without a gather per call; they are
+    registered again when the block ends (also on an exception, where DeepSpeed leaves them off).
+    Yields `model`. Below ZeRO-3 there are no hooks and nothing to gather: the block just runs."""
+    optimizer = getattr(model, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", None)
+    with GatheredParameters(list(model.parameters())):
+        if offload is not None:
+            for hook in offload.forward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield model
+        finally:
+            if offload is not None:
+                offload._register_deepspeed_module(offload.module)

@@ -25,13 +25,12 @@ do).
 
 from __future__ import annotations
 
-import contextlib
 import types
 from typing import Any, Iterator
 
 import torch.nn as nn
 
-__all__ = ["ParameterOffload", "give_external_parameters", "unwrap_model_for_generation"]
+__all__ = ["ParameterOffload", "give_external_parameters"]
 
 
 class _ParamCoordinator:
@@ -73,26 +72,3 @@ def give_external_parameters(model: nn.Module) -> None:
     for module in model.modules():
         if not hasattr(module, "ds_external_parameters"):
             module.ds_external_parameters = types.MethodType(_no_external_parameters, module)
-
-
-@contextlib.contextmanager
-def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
-    """DeepSpeed's `deepspeed.runtime.zero.unwrap_model_for_generation(engine)`: inside the block
-    every parameter is whole (`GatheredParameters` over them all) and the direct-call hooks are
-    removed, so `model.generate(...)` runs on the whole model without a gather per call; they are
-    registered again when the block ends (also on an exception, where DeepSpeed leaves them off).
-    Yields `model`. Below ZeRO-3 there are no hooks and nothing to gather: the block just runs."""
-    from fxzero.zero import GatheredParameters
-
-    optimizer = getattr(model, "optimizer", None)
-    offload = getattr(optimizer, "parameter_offload", None)
-    with GatheredParameters(list(model.parameters())):
-        if offload is not None:
-            for hook in offload.forward_hooks:
-                hook.remove()
-            offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield model
-        finally:
-            if offload is not None:
-                offload._register_deepspeed_module(offload.module)

@@ -20,7 +20,8 @@ import fxzero
 import fxzero.comm as ds_comm
 from fxzero.accelerator import get_accelerator
 from fxzero.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                          safe_set_full_fp32_param)
+                          safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+                          safe_set_full_fp32_param, safe_set_full_grad, safe_set_local_grad)
 from tests.dist.harness import ADAMW, run_ranks
 from tests.dist.reference import rank_slice
 
@@ -268,3 +269,43 @@ def test_the_deepspeed_alias_names_what_fxzero_lacks():
     assert proc.returncode == 0, proc.stderr
     assert "No module named 'deepspeed.ops.transformer'" in proc.stdout and "deepspeed.zero" in proc.stdout
     assert "deepspeed.ops.adam" in proc.stdout  # (what it has, named)
+
+
+def _local_parts(rank: int, world_size: int, stage: int) -> dict:
+    """DeepSpeed's local API (`safe_get_local_*`, `safe_set_local_grad`) and `safe_set_full_grad`."""
+    torch.manual_seed(3)
+    model = Net()
+    ds = {**DS, "zero_optimization": {**DS["zero_optimization"], "stage": stage}}
+    engine, _, _, _ = fxzero.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    weight = model.layers[1].weight
+    out = {"before_backward": safe_get_local_grad(weight)}
+    x, y = _batches()[0]
+    engine.backward(F.mse_loss(engine(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size)))
+    out["grad"], out["local_grad"] = safe_get_full_grad(weight), safe_get_local_grad(weight)
+    out["fp32"], out["local_fp32"] = safe_get_full_fp32_param(weight), safe_get_local_fp32_param(weight)
+    safe_set_full_grad(weight, torch.full((16, 16), 0.5))
+    out["set_full"] = safe_get_full_grad(weight)
+    local = safe_get_local_grad(weight)
+    safe_set_local_grad(weight, torch.full_like(local, float(rank + 1)))
+    out["set_local"] = safe_get_full_grad(weight)
+    engine.step()
+    out["exp_avg"] = safe_get_full_optimizer_state(weight, "exp_avg")
+    out["local_exp_avg"] = safe_get_local_optimizer_state(weight, "exp_avg")
+    out["after_step"] = safe_get_local_grad(weight)
+    return out
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_each_ranks_local_part_and_the_gradients_a_script_sets(stage):
+    ranks = run_ranks(_local_parts, 2, stage, timeout_s=240)
+    assert all(r["before_backward"] is None and r["after_step"] is None for r in ranks)
+    for key, local in (("grad", "local_grad"), ("fp32", "local_fp32"), ("exp_avg", "local_exp_avg")):
+        # (the unit's flat buffer is the weight's 256 elements then the bias's, split in two)
+        assert torch.equal(torch.cat([ranks[0][local], ranks[1][local]]), ranks[0][key].reshape(-1)), key
+        assert ranks[0][local].numel() == 136
+    for r in ranks:
+        assert torch.equal(r["set_full"], torch.full((16, 16), 0.5))
+        want = torch.cat([torch.full((136,), 1.0), torch.full((120,), 2.0)]).reshape(16, 16)
+        assert torch.equal(r["set_local"], want)
+        # AdamW's first moment after one step is (1 - beta1) times the gradient it applied
+        torch.testing.assert_close(r["exp_avg"], want * (1 - ADAMW["betas"][0]))
