@@ -18,13 +18,6 @@ UNWRAP = "unit/runtime/zero/test_unwrap_model.py"
 the hooks off inside the block and back after it, then training on (2 classes, 2 tests)."""
 
 
-@pytest.mark.timeout(600)
-def test_deepspeeds_unwrap_model_for_generation_tests_pass_unchanged(tmp_path):
-    code, out = _run([UNWRAP], tmp_path)
-    passed = sorted(re.findall(rf"^PASSED {re.escape(UNWRAP)}::(\S+)", out, re.M))
-    assert code == 0 and passed == ["TestUnwrapModel::test", "TestUnwrapModelTraceInvalidate::test"], out[-6000:]
-
-
 SCHEDULES = "unit/runtime/test_lr_schedulers.py"
 """DeepSpeed's LR scheduler tests: the config's "scheduler" through initialize (the lr before and
 during training, against the optimizer's, for all five types) and the classes built on a torch
@@ -46,13 +39,16 @@ with the plain tests (`FXZERO_DEEPSPEED_UNIT=all`: all of them)."""
 
 
 @pytest.mark.timeout(900)
-def test_deepspeeds_lr_scheduler_tests_pass_unchanged(tmp_path):
-    selection = [SCHEDULES, *(f"--deselect={SCHEDULES}::{t}" for t in SCHEDULES_DIFFERENT)]
+def test_deepspeeds_unwrap_and_lr_scheduler_tests_pass_unchanged(tmp_path):
+    """Both files in one `fxzero run` (its start and pytest's are most of a default run's time)."""
+    selection = [UNWRAP, SCHEDULES, *(f"--deselect={SCHEDULES}::{t}" for t in SCHEDULES_DIFFERENT)]
     if os.environ.get("FXZERO_DEEPSPEED_UNIT") != "all":
         selection += [f"--deselect={SCHEDULES}::{cls}" for cls in SCHEDULES_DISTRIBUTED[1:]]
     code, out = _run(selection, tmp_path)
+    unwrap = sorted(re.findall(rf"^PASSED {re.escape(UNWRAP)}::(\S+)", out, re.M))
+    assert code == 0 and unwrap == ["TestUnwrapModel::test", "TestUnwrapModelTraceInvalidate::test"], out[-6000:]
     statuses = re.findall(rf"^(PASSED|FAILED|ERROR|SKIPPED) {re.escape(SCHEDULES)}::(\S+)", out, re.M)
-    assert code == 0 and statuses and all(s == "PASSED" for s, _ in statuses), out[-6000:]
+    assert statuses and all(s == "PASSED" for s, _ in statuses), out[-6000:]
     want = 81 if os.environ.get("FXZERO_DEEPSPEED_UNIT") == "all" else 41
     assert len(statuses) == want, (len(statuses), out[-3000:])
     assert any(t.startswith("TestGetLrBeforeTrain") for _, t in statuses)
