@@ -38,6 +38,7 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_grad",
+           "safe_set_local_optimizer_state",
            # DeepSpeed's ZeRO-3 leaf modules (fxzero/leaf_modules.py)
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
@@ -338,6 +339,26 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     offloaded = state.store is not None and state.store.offloaded(optim_state_key)
     return _local(binding, fqn, lambda layout: state.store.get(optim_state_key, layout.name) if offloaded
                   else state.optimizer_states[layout.name][optim_state_key])
+
+
+def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Replace this rank's part of the parameter's optimizer state `optim_state_key` with `value`
+    (laid out as `safe_get_local_optimizer_state` gives it). Not a collective."""
+    binding, fqn, policy = _optimizer_state(param, optim_state_key, "safe_set_local_optimizer_state")
+    state = binding.state
+    pieces = _local_pieces(binding, fqn)
+    if value.numel() != sum(b - a for _, a, b in pieces):
+        raise ValueError(f"safe_set_local_optimizer_state: the value has {value.numel()} elements, this rank's part "
+                         f"of the parameter {sum(b - a for _, a, b in pieces)} (see safe_get_local_optimizer_state)")
+    offloaded = state.store is not None and state.store.offloaded(optim_state_key)
+    flat, at = value.reshape(-1), 0
+    for layout, a, b in pieces:
+        shard = (state.store.get(optim_state_key, layout.name) if offloaded
+                 else state.optimizer_state(layout.name, optim_state_key, policy.initial_value(optim_state_key)))
+        shard[a:b].copy_(flat[at : at + b - a])
+        at += b - a
+        if offloaded:
+            state.store.put(optim_state_key, layout.name, shard)
 
 
 def _set_grad(binding: UserModule, fqn: str, part: Callable[[Any, int, int], torch.Tensor], what: str) -> None:

@@ -21,7 +21,8 @@ import fxzero.comm as ds_comm
 from fxzero.accelerator import get_accelerator
 from fxzero.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                           safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                          safe_set_full_fp32_param, safe_set_full_grad, safe_set_local_grad)
+                          safe_set_full_fp32_param, safe_set_full_grad, safe_set_local_grad,
+                          safe_set_local_optimizer_state)
 from tests.dist.harness import ADAMW, run_ranks
 from tests.dist.reference import rank_slice
 
@@ -292,6 +293,8 @@ def _local_parts(rank: int, world_size: int, stage: int) -> dict:
     out["exp_avg"] = safe_get_full_optimizer_state(weight, "exp_avg")
     out["local_exp_avg"] = safe_get_local_optimizer_state(weight, "exp_avg")
     out["after_step"] = safe_get_local_grad(weight)
+    safe_set_local_optimizer_state(weight, torch.full_like(out["local_exp_avg"], float(rank + 1)), "exp_avg")
+    out["set_exp_avg"] = safe_get_full_optimizer_state(weight, "exp_avg")
     return out
 
 
@@ -309,3 +312,4 @@ def test_each_ranks_local_part_and_the_gradients_a_script_sets(stage):
         assert torch.equal(r["set_local"], want)
         # AdamW's first moment after one step is (1 - beta1) times the gradient it applied
         torch.testing.assert_close(r["exp_avg"], want * (1 - ADAMW["betas"][0]))
+        assert torch.equal(r["set_exp_avg"], want)  # (each rank's part written: rank + 1)
