@@ -18,6 +18,7 @@ and the same after every later one, a lazily built table) leaves the program val
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -88,7 +89,20 @@ def _differs(old: "tuple[Any, Any] | None", new: "tuple[Any, Any] | None") -> bo
         return True
     if old[1] is None or new[1] is None:  # (not plain data, then or now: by identity)
         return old[0] is not new[0] or (old[1] is None) != (new[1] is None)
-    return type(old[1]) is not type(new[1]) or old[1] != new[1]
+    return not _equal(old[1], new[1])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Plain data equal by value, a NaN equal to a NaN (an attribute holding NaN is unchanged)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
 
 
 def changed(before: Snapshot, after: Snapshot) -> list[str]:

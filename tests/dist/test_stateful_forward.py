@@ -132,3 +132,27 @@ def test_the_trace_names_the_change_and_leaves_the_attributes_as_it_found_them()
     table = LazyTable()
     trace_joint(table, (torch.randn(2, 8), torch.randint(0, 8, (2,))))
     assert table.table == [1.0, 2.0]  # (set once, as an eager first call sets it)
+
+
+class NanState(nn.Module):
+    """Holds NaN in attributes it never changes (a sentinel, a list of them) and one it sets to a
+    new NaN object on every call: none of it is a change of state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.sentinel, self.history = float("nan"), [float("nan"), 1.0]
+        self.last = float("nan")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.last = float("nan")
+        return F.cross_entropy(self.linear(x), y)
+
+
+def test_an_attribute_holding_nan_is_not_a_change():
+    model = NanState()
+    trace_joint(model, (torch.randn(2, 8), torch.randint(0, 8, (2,))))  # (no StatefulForward)
+    model.last = 0.0
+    model.forward = lambda x, y, m=model: (setattr(m, "last", m.last + 1.0), F.cross_entropy(m.linear(x), y))[1]
+    with pytest.raises(StatefulForward, match=r"last \(1.0 -> 2.0\)"):  # (a number that does change still counts)
+        trace_joint(model, (torch.randn(2, 8), torch.randint(0, 8, (2,))))
