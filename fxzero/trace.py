@@ -317,8 +317,9 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
             recompute regions]); the model's own torch.utils.checkpoint calls are regions too.
 
     Raises:
-        TypeError: for inputs that require grad, or argument leaves that are neither tensors nor
-            constants.
+        TypeError: for argument leaves that are neither tensors nor constants. (An input that
+            requires grad gets its gradient: [Note: inputs that require grad] in
+            `fxzero/ir/signature.py`.)
         ValueError: if the forward mutates a parameter or an input.
         DataDependentControlFlow: for a Python decision on a tensor's value, naming the line;
             `DataDependentShape` where a size that depends on the data cannot be followed.
@@ -343,15 +344,14 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
     paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(example_inputs), dict(kwargs or {})))[0]]
     for i, x in enumerate(leaves):
         where = argument_name(paths[i])
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad:
-                raise TypeError(f"input {where} requires grad; fxzero computes gradients for parameters only")
-        elif not _constant(x):
+        if not isinstance(x, torch.Tensor) and not _constant(x):
             raise TypeError(
                 f"input {where} is a {type(x).__name__}; fxzero traces tensors and constants (bool, int, float, "
                 "str, None) only: pass other arguments through the module's constructor"
             )
     example_tensors = [leaves[i] for i in tensor_at]
+    # ([Note: inputs that require grad]) the tensor inputs whose gradients the backward returns
+    input_grads = () if forward_only else tuple(i for i, x in enumerate(example_tensors) if x.requires_grad)
 
     params = dict(model.named_parameters(remove_duplicate=True))
     buffers = dict(model.named_buffers(remove_duplicate=True))
@@ -374,7 +374,8 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
         fp = [_fake_like(mode, p, f in wanted, param_dtype if p.is_floating_point() else None)
               for f, p in params.items()]
         fb = [_fake_like(mode, b) for b in buffers.values()]
-        return fp, fb, list(fake_inputs)
+        fi = [x.detach().requires_grad_(True) if i in input_grads else x for i, x in enumerate(fake_inputs)]
+        return fp, fb, fi
 
     def forward(fp: list, fb: list, fi: list) -> Any:
         if param_dtype is not None:  # the cast is a node of the graph, at the forward's start
@@ -443,10 +444,11 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
         with torch.enable_grad():
             outs = [o for o in output_leaves(forward(p, b, x))[0] if isinstance(o, torch.Tensor)]
             diff_outs = [o for o, d in zip(outs, differentiable) if d]
-            wrt = [t for t, f in zip(p, param_fqns) if f in wanted]
+            wrt = [t for t, f in zip(p, param_fqns) if f in wanted] + [x[i] for i in input_grads]
             grads = list(torch.autograd.grad(diff_outs, wrt, g, allow_unused=True)) if wrt and diff_outs else [None] * len(wrt)
+            of_inputs = grads[len(grads) - len(input_grads):]
             grads = [grads.pop(0) if f in wanted else None for f in trainable]
-        return [*outs, *grads]
+        return [*outs, *grads, *of_inputs]
 
     flat_args = [*fp, *fb, *fi, *grad_outputs]
     # "symbolic" records how each size is computed from the inputs (aten.sym_size nodes).
@@ -485,7 +487,12 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
     results = list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
     grad_results = results[len(out_flat) : len(out_flat) + len(trainable)]
     gradless = tuple(f for f, g in zip(trainable, grad_results) if g is None)
-    mutated = _buffer_mutations_to_outputs(gm, n_out=len(out_flat) + len(trainable))
+    if input_grads:  # (an input the outputs do not depend on keeps no gradient, as autograd leaves it None)
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        head, tail = list(output.args[0][: -len(input_grads)]), list(output.args[0][-len(input_grads):])
+        input_grads = tuple(i for i, g in zip(input_grads, tail) if g is not None)
+        output.args = (head + [g for g in tail if g is not None],)
+    mutated = _buffer_mutations_to_outputs(gm, n_out=len(out_flat) + len(trainable), n_after=len(input_grads))
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -500,6 +507,7 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
         mutated_buffers=mutated,
         gradless_fqns=gradless,
         constant_outputs=tuple(sorted(constants.items())),
+        input_grads=input_grads,
     )
     marked = [dynamic_dims_of(x) for x in example_tensors]
     shapes = (_input_shapes(shape_env, fake_inputs, gm, marked) if symbolic or _has_unbacked(gm)
@@ -729,15 +737,17 @@ def _inline_constants(gm: fx.GraphModule) -> None:
         delattr(gm, node.target)
 
 
-def _buffer_mutations_to_outputs(gm: fx.GraphModule, n_out: int) -> tuple[str, ...]:
-    """Replace functionalization's trailing `copy_(placeholder, new)` by extra outputs.
+def _buffer_mutations_to_outputs(gm: fx.GraphModule, n_out: int, n_after: int = 0) -> tuple[str, ...]:
+    """Replace functionalization's trailing `copy_(placeholder, new)` by extra outputs, after the
+    first `n_out` outputs and before the `n_after` that follow them (the inputs' gradients).
 
     Returns the FQNs of the mutated buffers, in the order their new values were appended.
     """
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     results = list(output.args[0])
-    assert len(results) == n_out
+    assert len(results) == n_out + n_after
+    results, after = results[:n_out], results[n_out:]
     mutated = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
@@ -753,5 +763,5 @@ def _buffer_mutations_to_outputs(gm: fx.GraphModule, n_out: int) -> tuple[str, .
         mutated.append(tag["fqn"])
         results.append(src)
         graph.erase_node(node)
-    output.args = (results,)
+    output.args = (results + after,)
     return tuple(mutated)

@@ -55,7 +55,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
     results = list(out.args[0])
     n_out, n_grads = sig.num_outputs, len(sig.trainable_fqns)
     grad_of = dict(zip(sig.trainable_fqns, results[n_out : n_out + n_grads]))
-    new_buffers = results[n_out + n_grads :]
+    new_buffers = sig.new_buffer_results(results, n_grads)
 
     grad_shards = []
     for layout in [lay for lay in ctx.layouts if lay.trainable]:
@@ -88,7 +88,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
         tag(done, kind="wait", unit=layout.name, phase=BACKWARD, waits_for=start.name)
         grad_shards.append(done)
 
-    out.args = ([*results[:n_out], *grad_shards, *new_buffers],)
+    out.args = ([*results[:n_out], *grad_shards, *new_buffers, *sig.input_grad_results(results)],)
     ctx.outputs["grad_units"] = [lay.name for lay in ctx.layouts if lay.trainable]
     graph.eliminate_dead_code()
     return PassResult(gm, changed=bool(grad_shards), summary={"reduce_scatters": len(grad_shards)})

@@ -51,8 +51,7 @@ def _forward_roots(graph: fx.Graph, ctx: PassContext) -> list[fx.Node]:
     """The joint outputs that belong to the forward: model outputs and new buffer values."""
     sig = ctx.signature
     results = list(output_node(graph).args[0])
-    n_grads = len(sig.trainable_fqns)
-    fwd = results[: sig.num_outputs] + results[sig.num_outputs + n_grads :]
+    fwd = results[: sig.num_outputs] + sig.new_buffer_results(results, len(sig.trainable_fqns))
     return [r for r in fwd if isinstance(r, fx.Node)]
 
 

@@ -9,7 +9,7 @@ Before (one joint graph, nodes tagged forward/backward)::
 After (two GraphModules, recorded in ctx.programs)::
 
     forward(unit_0, ..., bn_mean, ..., x, ...)  -> [out, new_bn_mean, *saved]
-    backward(unit_0, ..., *saved, g, ...)       -> [gshard_0, ...]
+    backward(unit_0, ..., *saved, g, ...)       -> [gshard_0, ..., *input_grads]
 
 Saved values are forward values the backward reads. Parameter-derived values were already
 recomputed in the backward (separate_phases), and every gathered buffer is freed inside its
@@ -58,7 +58,8 @@ def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     n_out, n_grads = sig.num_outputs, len(grad_units)
     model_outputs = results[:n_out]
     grad_shards = results[n_out : n_out + n_grads]
-    new_buffers = results[n_out + n_grads :]
+    new_buffers = sig.new_buffer_results(results, n_grads)
+    input_grads = sig.input_grad_results(results)  # ([Note: inputs that require grad])
 
     placeholders = [n for n in joint.nodes if n.op == "placeholder"]
     units = [n for n in placeholders if is_kind(n, "unit")]
@@ -82,7 +83,7 @@ def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         )
 
     fwd = _build("forward", joint, fwd_nodes, fwd_inputs, [*model_outputs, *new_buffers, *saved])
-    bwd = _build("backward", joint, bwd_nodes, [*units, *saved, *grad_outputs], grad_shards)
+    bwd = _build("backward", joint, bwd_nodes, [*units, *saved, *grad_outputs], [*grad_shards, *input_grads])
     ctx.programs["forward"] = Program(
         "forward",
         fwd,
@@ -97,7 +98,7 @@ def split_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         inputs=[_input_key(n) for n in units]
         + [("saved", n.name) for n in saved]
         + [_input_key(n) for n in grad_outputs],
-        outputs=[("grad", u) for u in grad_units],
+        outputs=[("grad", u) for u in grad_units] + [("input_grad", i) for i in sig.input_grads],
     )
     return PassResult(
         gm,

@@ -147,7 +147,8 @@ def step_program_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple[str
     carried = _carry_gradients(backward, frozenset(u.name for u in units))
     arrival = {unit: i for i, unit in enumerate(carried)}
     units.sort(key=lambda lay: arrival.get(lay.name, -1))  # stable: the ready ones in layout order
-    grad_names = {unit: r.name for (_, unit), r in zip(backward.outputs, output_node(backward.gm.graph).args[0])}
+    grad_names = {unit: r.name for (kind, unit), r in zip(backward.outputs, output_node(backward.gm.graph).args[0])
+                  if kind == "grad"}
 
     b = _Builder(ctx.world_size)
 

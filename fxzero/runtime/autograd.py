@@ -46,7 +46,7 @@ class ProgramPair(Protocol):
 
     def _run_forward(self, runners: Any, inputs: tuple, for_backward: bool) -> tuple[list, Optional[list], int]: ...
 
-    def _run_backward(self, runners: Any, saved: list, grad_outputs: list) -> None: ...
+    def _run_backward(self, runners: Any, saved: list, grad_outputs: list) -> dict: ...
 
 
 class RunProgram(torch.autograd.Function):
@@ -79,5 +79,6 @@ class RunProgram(torch.autograd.Function):
         ]
         saved, ctx.saved = ctx.saved, None
         ctx.release()
-        ctx.engine._run_backward(ctx.runners, saved, grad_outputs)
-        return (None, None, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+        input_grads = ctx.engine._run_backward(ctx.runners, saved, grad_outputs)
+        # (the gradients of the inputs that required grad: [Note: inputs that require grad])
+        return (None, None, None, None) + tuple(input_grads.get(i) for i in range(len(ctx.needs_input_grad) - 4))

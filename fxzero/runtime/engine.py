@@ -155,7 +155,8 @@ class Engine(EngineSurface):
     def _key(self, leaves: list, spec: Any) -> tuple:
         """[Note: what a program is compiled for] One program per call structure (positional and
         keyword arguments, nesting), constant arguments (bools, ints, None: they select code
-        paths), tensor dtypes and ranks, the training flag of every submodule (a submodule in
+        paths), tensor dtypes and ranks, which tensors require grad ([Note: inputs that require
+        grad] in `fxzero/ir/signature.py`), the training flag of every submodule (a submodule in
         eval runs without dropout), and the autocast state (a program traced under autocast
         computes in its dtype), and grad mode. The same call in another mode is another program.
         Tensor sizes are not in the key: a program serves the sizes its shapes accept
@@ -170,7 +171,7 @@ class Engine(EngineSurface):
         tensors, constants = [], []
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
-                tensors.append((x.dim(), x.dtype))
+                tensors.append((x.dim(), x.dtype, x.requires_grad and torch.is_grad_enabled()))
                 continue
             try:
                 hash(x)
@@ -466,7 +467,10 @@ class Engine(EngineSurface):
                                     if name not in kept and isinstance(v, torch.Tensor))
         return results[:n_out], saved, activations
 
-    def _run_backward(self, runners: Runners, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]) -> None:
+    def _run_backward(self, runners: Runners, saved: list[torch.Tensor], grad_outputs: list[torch.Tensor]
+                      ) -> dict[int, torch.Tensor]:
+        """Run the backward program; returns the gradients of the inputs that required grad, by
+        their position among the tensor inputs ([Note: inputs that require grad])."""
         program = runners.compiled.programs["backward"]
         saved_names = [key for kind, key in program.inputs if kind == "saved"]
         if self.config.gradient_reduction == "sum" and self.world_size > 1:
@@ -488,14 +492,20 @@ class Engine(EngineSurface):
         runner.defer_reduction = self._no_sync or (local and not self.control.boundary)
         results = runner.run(env, self._record)
         self._ran_program()
+        input_grads = {i: g for (kind, i), g in zip(program.outputs, results) if kind == "input_grad"}
+        if self.config.gradient_reduction == "sum" and self.world_size > 1:  # (the scaling above is the programs' own)
+            input_grads = {i: g / self.world_size for i, g in input_grads.items()}
         if runner.defer_reduction:
-            return  # ([Note: accumulating locally] in executor.py): no gradient shard yet
+            return input_grads  # ([Note: accumulating locally] in executor.py): no gradient shard yet
         grads = self.state.grads
-        for (_, unit), grad in zip(program.outputs, results):
+        for (kind, unit), grad in zip(program.outputs, results):
+            if kind != "grad":
+                continue
             if unit in grads:  # accumulation (or two forwards into one loss): into the shard held
                 self._accumulate(unit, grad)
             else:
                 grads[unit] = grad
+        return input_grads
 
     def _accumulate(self, unit: str, grad: Any) -> None:
         held = self.state.grads[unit]

@@ -195,8 +195,10 @@ def first_difference(sequences: list[tuple[str, ...]], *, rank: int) -> RuntimeE
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     at = lambda seq: seq[i] if i < len(seq) else "(nothing: its step ends)"  # noqa: E731
     hint = ("Every rank must compile the same collectives: the same model, config and training mode on every rank, "
-            "and no Python branch in the forward on an input's shape or values (shapes may differ; the branches "
-            "they take may not)")
+            "and no Python branch in the forward on an input's shape or values or on the rank (shapes may differ; "
+            "the branches they take may not). A module whose forward chooses which of its children run (a "
+            "mixture of experts' router) can be a ZeRO-3 leaf instead: deepspeed.utils.set_z3_leaf_modules(model, "
+            "[ItsClass]) or Config.leaf_modules, and its parameters are gathered as one unit whatever runs")
     if any(s and not s[0].startswith(("forward:", "backward:", "step:")) for s in (a, b)):
         hint = ("Gathering the model's parameters (model.state_dict() at ZeRO-3, fxzero.zero.GatheredParameters) "
                 "is a collective: call it on every rank at the same point, for the same module and parameters")

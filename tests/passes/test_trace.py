@@ -153,8 +153,24 @@ def test_bad_inputs_raise_type_error():
         trace_joint(model, [object()])
     with pytest.raises(TypeError, match=r"input x\['a'\]\[1\] is a bytearray"):
         trace_joint(model, [], kwargs={"x": {"a": [1, bytearray(b"?")]}})
-    with pytest.raises(TypeError, match="input 0 requires grad"):
-        trace_joint(model, [torch.zeros(2, 4, requires_grad=True)])
+
+
+
+def test_an_input_that_requires_grad_gets_its_gradient_as_the_last_output():
+    """[Note: inputs that require grad]: the joint graph's last output is the input's gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(2, 4, requires_grad=True)
+    traced = trace_joint(model, [x])
+    assert traced.signature.input_grads == (0,)
+    out = model(x)
+    g = torch.randn_like(out)
+    (want,) = torch.autograd.grad(out, x, g)
+    params = [p.detach() for p in dict(model.named_parameters()).values()]
+    buffers = [b for b in dict(model.named_buffers()).values()]
+    results = traced.gm(*params, *buffers, x.detach(), g)
+    assert torch.equal(traced.signature.input_grad_results(results)[0], want)
+    assert trace_joint(model, [x.detach()]).signature.input_grads == ()
 
 
 class _BranchOnValue(torch.nn.Module):
