@@ -194,3 +194,65 @@ def test_deepspeeds_choose_module_by_rank_model_trains_as_ddp():
     for name, value in new.items():
         assert torch.equal(ranks[0]["state"][name], value), name
         assert torch.equal(ranks[1]["state"][name], value), name
+
+
+class Embedded(nn.Module):
+    """A model that takes `inputs_embeds` in place of ids, as Hugging Face's models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, ids=None, y=None, inputs_embeds=None):
+        h = self.embed(ids) if inputs_embeds is None else inputs_embeds
+        return F.cross_entropy(self.head(torch.tanh(self.body(h))).flatten(0, 1), y.flatten())
+
+
+def _embedded_batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(5 + rank)
+    return [(torch.randint(0, 16, (2, 4), generator=g), torch.randint(0, 16, (2, 4), generator=g),
+             0.01 * torch.randn(2, 4, 8, generator=g)) for _ in range(STEPS)]
+
+
+def _adversarial(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    engine = fxzero.compile(Embedded(), fxzero.Config(stage=2, optimizer=fxzero.SGD(lr=LR), cost_model=None))
+    losses, deltas = [], []
+    for ids, y, delta in _embedded_batches(rank):
+        delta = delta.clone().requires_grad_(True)
+        loss = engine(inputs_embeds=engine.module.embed(ids) + delta, y=y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+        deltas.append(delta.grad)
+    return {"losses": torch.stack(losses), "deltas": deltas, "state": engine.full_state_dict()}
+
+
+def test_a_perturbed_embedding_trains_the_models_own_embedding_as_ddp():
+    """FreeLB-style adversarial training: the embeddings computed by the model's own module called
+    directly, plus a perturbation whose gradient the caller reads. The gradient flows through the
+    program into both; the embedding's is reduced as any other (ZeRO-2, [Note: gradients from
+    outside the program])."""
+    ranks = run_ranks(_adversarial, WORLD, timeout_s=240)
+    torch.manual_seed(0)
+    copies = [Embedded() for _ in range(WORLD)]
+    for c in copies[1:]:
+        c.load_state_dict(copies[0].state_dict())
+    for step in range(STEPS):
+        grads = []
+        for rank, m in enumerate(copies):
+            ids, y, delta = _embedded_batches(rank)[step]
+            delta = delta.clone().requires_grad_(True)
+            loss = m(inputs_embeds=m.embed(ids) + delta, y=y)
+            loss.backward()
+            assert torch.equal(ranks[rank]["losses"][step], loss.detach()), (rank, step)
+            assert torch.equal(ranks[rank]["deltas"][step], delta.grad), (rank, step)
+            grads.append([p.grad for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for i, params in enumerate(zip(*(m.parameters() for m in copies))):
+                mean = sum(g[i] for g in grads) / WORLD
+                for p in params:
+                    p.add_(mean, alpha=-LR)
+    for name, value in copies[0].state_dict().items():
+        assert torch.equal(ranks[0]["state"][name], value), name
