@@ -115,10 +115,7 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     binding, fqn = _bound(param, "safe_get_full_grad")
     state, engine = binding.state, binding.engine
     layout, _ = _slots(binding, fqn)[0]
-    if engine is not None and engine._unreduced:
-        raise RuntimeError(f"[rank {binding.comm.rank}] safe_get_full_grad between accumulation boundaries with "
-                           "Config(gradient_accumulation='local'): the gradients are not reduced yet; read it after "
-                           "the boundary's backward")
+    _refuse_unreduced(binding, "safe_get_full_grad")
     held = state.grads.get(layout.name)
     present = binding.comm.all_gather_object(held is not None) if binding.comm.world_size > 1 else [held is not None]
     if not all(present):
@@ -294,13 +291,23 @@ def _put_grad_shard(binding: UserModule, layout: Any, shard: torch.Tensor) -> No
         binding.state.store.put("grad", layout.name, shard)
 
 
+def _refuse_unreduced(binding: UserModule, what: str) -> None:
+    """An error while the backwards keep their gradients whole and unreduced on each rank (inside
+    `engine.no_sync()`, or between boundaries with local accumulation): no gradient the step would
+    apply exists yet, only each rank's own part of it."""
+    engine = binding.engine
+    if engine is None or not engine._unreduced:
+        return
+    where = ("inside engine.no_sync()" if engine._no_sync else
+             "between accumulation boundaries with Config(gradient_accumulation='local')")
+    raise RuntimeError(f"[rank {binding.comm.rank}] {what} {where}: the gradients are not reduced over the ranks yet "
+                       "(each rank holds its own); call it after the backward that reduces them (the first one after "
+                       "the no_sync block, or the boundary's)")
+
+
 def _grads_ready(binding: UserModule, fqn: str, what: str) -> bool:
     """Whether the parameter's gradient is reduced and held (False before a backward, after step())."""
-    engine = binding.engine
-    if engine is not None and engine._unreduced:
-        raise RuntimeError(f"[rank {binding.comm.rank}] {what} between accumulation boundaries with "
-                           "Config(gradient_accumulation='local'): the gradients are not reduced yet; call it after "
-                           "the boundary's backward")
+    _refuse_unreduced(binding, what)
     return all(layout.name in binding.state.grads for layout, _ in _slots(binding, fqn))
 
 

@@ -515,12 +515,15 @@ class Engine(EngineSurface):
             return
         self.state.grads[unit] = held.add_(grad)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss` through the last forward: the same as `loss.backward()`.
 
         DeepSpeed's arguments: `scale_wrt_gas=False` when the caller has divided the loss by the
         accumulation steps itself (Hugging Face's Trainer does); `retain_graph=True` is refused:
-        the backward program frees each activation after its last use."""
+        the backward program frees each activation after its last use.
+
+        Returns, as DeepSpeed's does, the loss over the accumulation steps (the loss itself with
+        `scale_wrt_gas=False`), detached: what a script logs as the micro-step's share."""
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
             raise TypeError(
                 f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
@@ -541,6 +544,8 @@ class Engine(EngineSurface):
         finally:
             self._user.release_held()  # (a forward run eagerly at ZeRO-3: its units are placeholders again)
         self._log.loss(loss)
+        steps = self.control.accumulation
+        return loss.detach() / steps if scale_wrt_gas and steps > 1 else loss.detach()
 
     # -- optimizer step --------------------------------------------------------------------
 
