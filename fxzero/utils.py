@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -208,8 +209,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     reader = CheckpointReader(_checkpoint_dir(checkpoint_dir, tag), cache_blobs=0)
     frozen = {slot[0] for unit in reader.manifest["units"] if not unit["trainable"] for slot in unit["slots"]}
     frozen = frozen if exclude_frozen_parameters else set()
+    left_out = set(reader.manifest.get("excluded_frozen", ()))  # (saved without them: no value to read)
+    if left_out - frozen:
+        warnings.warn(f"{reader.path}: saved with exclude_frozen_parameters=True, the checkpoint holds no value of "
+                      f"{len(left_out - frozen)} frozen parameters ({', '.join(sorted(left_out - frozen)[:3])}, ...): "
+                      "the state dict leaves them out", stacklevel=2)
     return {fqn: reader.read_tensor(fmt.param_key(fqn)).clone() for fqn, _, _ in reader.manifest["tensors"]
-            if fqn not in frozen}
+            if fqn not in frozen and fqn not in left_out}
 
 
 @torch.no_grad()

@@ -198,14 +198,18 @@ class EngineSurface:
         return list(self._record or [])
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save the whole training state under `save_dir/tag` (DeepSpeed's call; tag defaults to
         "global_step<N>"): every rank's parameter and optimizer shards, the step counters, loss
         scaler, LR schedule, RNG states, data loader position and `client_state`, in
         torch.distributed.checkpoint's format; `save_dir/latest` names it once it is complete.
         A collective: every rank calls it, at an accumulation boundary. Returns its directory.
+        `exclude_frozen_parameters=True` leaves out the parameters that do not require grad (a
+        fine-tuned model's frozen base: Hugging Face's Trainer asks it for a PEFT model); such a
+        checkpoint loads with `load_module_strict=False`, which keeps the model's own values for
+        them ([Note: a checkpoint without the frozen parameters] in `checkpoint/load.py`).
         See `fxzero/runtime/checkpoint/`."""
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -107,6 +107,12 @@ def export_checkpoint(path: str, out_dir: str, *, tag: Optional[str] = None,
         raise ValueError(f"export dtype {dtype}: cast only to a floating dtype ({sorted(DTYPES)})")
     ckpt = _checkpoint_dir(path, tag)
     reader = CheckpointReader(ckpt, cache_blobs=0)  # each chunk is read once: nothing to cache
+    excluded = reader.manifest.get("excluded_frozen", [])
+    if excluded:  # ([Note: a checkpoint without the frozen parameters] in load.py)
+        raise CheckpointError(f"{os.path.join(ckpt, fmt.MANIFEST)}: saved with exclude_frozen_parameters=True, it "
+                              f"holds no value of the {len(excluded)} frozen parameters ({', '.join(excluded[:3])}"
+                              f"{', ...' * (len(excluded) > 3)}), so it is not a whole model to export; export a "
+                              "checkpoint saved without it, or save the model from the engine (save_16bit_model)")
     entries = []
     for fqn, shape, saved in reader.manifest["tensors"]:
         key = fmt.param_key(fqn)

@@ -12,6 +12,19 @@ one rank is an error on all of them.
 Nothing is unpickled as it stands ([Note: loading runs no code] in safe_load.py), and all that
 is not a tensor (step counters, scaler, RNG states, param groups, client_state) is read before
 anything is replaced: a refused file leaves the engine as it was.
+
+[Note: a checkpoint without the frozen parameters]
+`save_checkpoint(exclude_frozen_parameters=True)` (DeepSpeed's; Hugging Face's Trainer asks it for
+a PEFT model, whose frozen base is most of the model) writes no value and no optimizer state of a
+parameter that does not require grad, and lists them in the manifest ("excluded_frozen"); its
+manifest still describes the whole model, so the model check is the same. Loading it needs
+`load_module_strict=False` (the Trainer passes it for a PEFT model, as DeepSpeed's loads the
+module's state dict non-strictly): each parameter left out keeps this engine's own value (the
+base model the run was built from) and its optimizer state, one unit's full buffer gathered at a
+time where a unit mixes saved and left-out parameters. With `load_module_strict=True` such a
+checkpoint is an error naming the parameters it lacks. `load_module_strict=False` relaxes nothing
+else: any other difference from this model is still an error, since fxzero loads a checkpoint of
+this model only.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from fxzero.runtime.checkpoint import format as fmt
 from fxzero.runtime.checkpoint.files import CheckpointError
 from fxzero.runtime.checkpoint.reader import CheckpointReader
 from fxzero.runtime.checkpoint.safe_load import unpickled
+from fxzero.runtime.checkpoint.save import state_shard
 from fxzero.runtime.state import install
 
 __all__ = ["load_checkpoint", "resolve_checkpoint"]
@@ -93,29 +107,38 @@ def _check_model(reader: CheckpointReader, engine) -> None:
 
 
 def _read_unit(reader: CheckpointReader, layout, key_of, lo: int, hi: int,
-               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               dtype: Optional[torch.dtype] = None, excluded: frozenset = frozenset(),
+               current: Any = None) -> torch.Tensor:
     """Elements [lo, hi) of `layout`'s flat buffer, each parameter's from tensor `key_of(fqn)`, in
-    `dtype` (default the layout's: cast from the dtype saved); padding zero."""
+    `dtype` (default the layout's: cast from the dtype saved); padding zero. A parameter in
+    `excluded` (not saved) takes elements [a, b) of the engine's own buffer, `current(a, b)`."""
     out = torch.zeros(hi - lo, dtype=dtype or layout.dtype)
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if a < b:
+        if a < b and slot.fqn in excluded:  # ([Note: a checkpoint without the frozen parameters])
+            out[a - lo : b - lo] = current(a, b)
+        elif a < b:
             start = slot.start - slot.offset  # (a tile's elements are at its start in the whole parameter)
             reader.read_range(key_of(slot.fqn), a + start, b + start, out[a - lo : b - lo])
     return out
 
 
 @torch.no_grad()
-def _load_params(engine, reader: CheckpointReader) -> None:
+def _load_params(engine, reader: CheckpointReader, excluded: frozenset) -> None:
     mp = engine.config.mixed_precision
     low_dtype = mp.low_dtype if mp is not None else None
     for layout in engine.layouts:
-        engine.state.install_unit(layout.name, lambda lo, hi, layout=layout: _read_unit(
-            reader, layout, fmt.param_key, lo, hi), low_dtype)
+        left_out = {slot.fqn for slot in layout.slots} & excluded
+        if left_out and len(left_out) == len({slot.fqn for slot in layout.slots}):
+            continue  # (nothing of the unit was saved: it keeps what it holds)
+        # (a unit that mixes saved and left-out parameters: its own values, whole, on every rank alike)
+        full = engine.state.full_unit(layout.name, engine.comm, False) if left_out else None
+        engine.state.install_unit(layout.name, lambda lo, hi, layout=layout, full=full: _read_unit(
+            reader, layout, fmt.param_key, lo, hi, excluded=excluded, current=lambda a, b: full[a:b]), low_dtype)
 
 
 @torch.no_grad()
-def _load_optimizer(engine, reader: CheckpointReader) -> None:
+def _load_optimizer(engine, reader: CheckpointReader, excluded: frozenset) -> None:
     state, policy, rank = engine.state, engine.optimizer.policy, engine.rank
     saved = reader.manifest["optimizer"], tuple(reader.manifest["states"])
     if saved != (type(policy).__name__, tuple(policy.states)):
@@ -131,10 +154,15 @@ def _load_optimizer(engine, reader: CheckpointReader) -> None:
         lo, hi = layout.shard_range(rank)
         steps = {int(reader.read_tensor(fmt.state_key(s.fqn, "step"))) for s in layout.slots
                  if reader.has(fmt.state_key(s.fqn, "step"))}
+        saved_slots = [s for s in layout.slots if s.fqn not in excluded]
+        if not saved_slots:
+            continue  # (nothing of the unit was saved: its states are as they are)
         for kind in policy.states:
             dtype = state.state_dtype(unit)
-            shard = _read_unit(reader, layout, lambda fqn, kind=kind: fmt.state_key(fqn, kind), lo, hi, dtype)
-            saved_dtype = reader.dtype(fmt.state_key(layout.slots[0].fqn, kind))
+            mine = state_shard(engine, layout, kind) if len(saved_slots) < len(layout.slots) else None
+            shard = _read_unit(reader, layout, lambda fqn, kind=kind: fmt.state_key(fqn, kind), lo, hi, dtype,
+                               excluded=excluded, current=lambda a, b, mine=mine: mine[a - lo : b - lo])
+            saved_dtype = reader.dtype(fmt.state_key(saved_slots[0].fqn, kind))
             if saved_dtype.itemsize > dtype.itemsize and not warned:
                 warned = True
                 warnings.warn(f"[rank {rank}] {reader.path}: the checkpoint's optimizer states are "
@@ -254,9 +282,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_mo
     checkpoint: only for a checkpoint from a source you trust ([Note: loading runs no code] in
     safe_load.py). Plain data loads without it."""
     rank = engine.rank
-    if not load_module_strict:
-        raise ValueError(f"[rank {rank}] load_checkpoint(load_module_strict=False): fxzero loads every tensor of the "
-                         "model or none (the checkpoint must be of this model); drop the argument")
     error: Optional[str] = None
     failure: Optional[BaseException] = None
     path: Optional[str] = None
@@ -268,17 +293,25 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_mo
             reader = CheckpointReader(path)  # (every file's size and the small files' checksums checked)
             _check_version(reader)
             _check_model(reader, engine)
+            excluded = frozenset(reader.manifest.get("excluded_frozen", ()))
+            if excluded and load_module_strict:
+                names = sorted(excluded)
+                raise CheckpointError(
+                    f"[rank {rank}] {path}: saved with save_checkpoint(exclude_frozen_parameters=True), it holds no "
+                    f"value of the {len(names)} frozen parameters ({', '.join(names[:3])}{', ...' * (len(names) > 3)}); "
+                    "load it with load_checkpoint(..., load_module_strict=False), which keeps this model's own "
+                    "values for them")
             saved = None if load_module_only else _read_saved(
                 engine, reader, optimizer=load_optimizer_states, scheduler=load_lr_scheduler_states,
                 trust=trust_client_state)
             engine._failed_load = f"load_checkpoint({path!r}) failed part-way"
             replacing = True
             engine.zero_grad()
-            _load_params(engine, reader)
+            _load_params(engine, reader, excluded)
             client_state = {}
             if saved is not None:
                 if load_optimizer_states:
-                    _load_optimizer(engine, reader)
+                    _load_optimizer(engine, reader, excluded)
                 _load_engine_state(engine, saved)
                 _load_rank_state(engine, saved)
                 client_state = saved.client_state

@@ -102,9 +102,12 @@ def _needed_bytes(engine) -> int:
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                    save_latest: bool = True) -> str:
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
     """See `Engine.save_checkpoint`. Returns the checkpoint's directory."""
     rank, comm = engine.rank, engine.comm
+    # ([Note: a checkpoint without the frozen parameters] in load.py)
+    excluded = frozenset(fqn for fqn, p in engine.module.named_parameters()
+                         if not p.requires_grad) if exclude_frozen_parameters else frozenset()
     control = engine.control
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"[rank {rank}] save_checkpoint(client_state=...) takes a dict (returned by load_checkpoint), "
@@ -148,7 +151,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     status, failure = {}, None
     chunks = None
     try:
-        chunks = _write_rank(engine, tmp)
+        chunks = _write_rank(engine, tmp, excluded)
         status = {"file": chunks.relpath, "size": chunks.writer.size, "checksum": chunks.writer.checksum,
                   "written": chunks.written, "rank_file": _write_rank_state(engine, tmp)}
     except Exception as e:
@@ -166,7 +169,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     final = os.path.join(save_dir, tag)
     if rank == 0:
         try:
-            _commit(engine, tmp, final, tag, statuses, client_state, save_latest)
+            _commit(engine, tmp, final, tag, statuses, client_state, save_latest, excluded)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             status, failure = {"error": _write_error(e, rank, save_dir, tag)}, e
@@ -214,7 +217,7 @@ def _master_shard(engine, layout) -> torch.Tensor:
     return values
 
 
-def _state_shard(engine, layout, kind: str) -> torch.Tensor:
+def state_shard(engine, layout, kind: str) -> torch.Tensor:
     """This rank's shard of optimizer state `kind` (its initial value before the first update)."""
     state, policy = engine.state, engine.optimizer.policy
     dtype = state.state_dtype(layout.name)
@@ -224,28 +227,32 @@ def _state_shard(engine, layout, kind: str) -> torch.Tensor:
     return held if held is not None else torch.full((layout.shard_numel,), policy.initial_value(kind), dtype=dtype)
 
 
-def _per_slot(layout, rank: int, shard: torch.Tensor, write: Callable[[str, tuple, torch.Tensor, int], None]) -> None:
+def _per_slot(layout, rank: int, shard: torch.Tensor, write: Callable[[str, tuple, torch.Tensor, int], None],
+              excluded: frozenset = frozenset()) -> None:
     lo, hi = layout.shard_range(rank)
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if a < b:
+        if a < b and slot.fqn not in excluded:
             # (a tile's elements are at its start in the whole parameter: [Note: tiling] in passes/tile.py)
             write(slot.fqn, slot.full_shape, shard[a - lo : b - lo], a - slot.offset + slot.start)
 
 
 @torch.no_grad()
-def _write_rank(engine, tmp: str) -> _Chunks:
+def _write_rank(engine, tmp: str, excluded: frozenset = frozenset()) -> _Chunks:
     rank, policy = engine.rank, engine.optimizer.policy
     relpath = fmt.data_file(rank)
     chunks = _Chunks(os.path.join(tmp, relpath), relpath)
     for layout in engine.layouts:  # one unit's shards in memory at a time
+        if all(slot.fqn in excluded for slot in layout.slots):
+            continue  # (nothing of it is saved: not even read from its tier)
         _per_slot(layout, rank, _master_shard(engine, layout),
-                  lambda fqn, shape, flat, start: chunks.tensor(fmt.param_key(fqn), shape, flat, start))
+                  lambda fqn, shape, flat, start: chunks.tensor(fmt.param_key(fqn), shape, flat, start), excluded)
         if not layout.trainable:
             continue
         for kind in policy.states:
-            _per_slot(layout, rank, _state_shard(engine, layout, kind),
-                      lambda fqn, shape, flat, start, kind=kind: chunks.tensor(fmt.state_key(fqn, kind), shape, flat, start))
+            _per_slot(layout, rank, state_shard(engine, layout, kind),
+                      lambda fqn, shape, flat, start, kind=kind: chunks.tensor(fmt.state_key(fqn, kind), shape, flat, start),
+                      excluded)
     if rank == 0:
         persistent = set(engine.module.state_dict(keep_vars=True))
         for fqn, value in engine.state.buffers.items():
@@ -255,7 +262,7 @@ def _write_rank(engine, tmp: str) -> _Chunks:
             if layout.trainable:
                 step = torch.tensor(float(engine.state.steps.get(layout.name, 0)))
                 for slot in layout.slots:
-                    if slot.start == 0:  # (once for a tiled parameter)
+                    if slot.start == 0 and slot.fqn not in excluded:  # (once for a tiled parameter)
                         chunks.tensor(fmt.state_key(slot.fqn, "step"), (), step.reshape(1), 0)
         groups = _param_groups(engine)
         try:
@@ -366,7 +373,8 @@ def _pickled(obj: Any, what: str):
         raise CheckpointError(f"[rank 0] {what} cannot be saved: torch.save of it fails ({type(e).__name__}: {e})") from e
 
 
-def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state, save_latest: bool) -> None:
+def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state, save_latest: bool,
+            excluded: frozenset = frozenset()) -> None:
     files: dict[str, dict] = {}
     chunk_sums: dict[str, str] = {}
     for status in statuses:
@@ -392,6 +400,7 @@ def _commit(engine, tmp: str, final: str, tag: str, statuses: list, client_state
         "model_class": f"{type(engine.module).__module__}.{type(engine.module).__qualname__}",
         "hf_config": fmt.hf_config(engine.module),
         "fingerprint": fmt.fingerprint(tensors), "tensors": tensors,
+        "excluded_frozen": sorted(excluded),
         "units": [layout.to_json() for layout in engine.layouts],
         "files": files, "chunks": chunk_sums,
     }
