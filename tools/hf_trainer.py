@@ -92,6 +92,18 @@ RUNS: dict[str, dict] = {
         "config": "ds_zero3.json", "pretrained": True, "save_final": True,
         "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
                  "--lora_r", "4"]},
+    # ... with a checkpoint every 2 steps: Trainer saves a PEFT model's with
+    # save_checkpoint(exclude_frozen_parameters=True) where the engine takes the argument ...
+    "zero3-pretrained-peft-lora-checkpoint": {
+        "config": "ds_zero3_checkpoint.json", "pretrained": True, "save_final": True,
+        "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "steps",
+                 "--save_steps", "2", "--lora_r", "4"]},
+    # ... and resumes from step 2 with load_checkpoint(load_module_strict=False).
+    "zero3-pretrained-peft-lora-resume": {
+        "config": "ds_zero3_checkpoint.json", "pretrained": True, "save_final": True,
+        "resume_from": "zero3-pretrained-peft-lora-checkpoint",
+        "args": [*_COMMON, *_SAVE, "--max_steps", "4", "--warmup_steps", "1", "--save_strategy", "no",
+                 "--lora_r", "4", "--resume_from_checkpoint", "{workdir}/out/checkpoint-2"]},
     # DeepSpeed-Chat's step 1 (supervised fine-tuning), its way (tests/hf_trainer/train_sft.py): at
     # ZeRO-3 from_pretrained in zero.Init, resize_token_embeddings, LoRA layers swapped in, its client
     # FusedAdam and transformers' cosine schedule, dropout, perplexity before and after, LoRA fused

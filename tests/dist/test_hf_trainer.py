@@ -136,16 +136,29 @@ def test_evaluation_alone_from_pretrained_at_zero3(tmp_path, pretrained):
     assert got["log"] == [] and len(got["eval"]) == 1
 
 
-def test_peft_lora_on_a_pretrained_model_at_zero3_trains_and_saves_its_adapters_as_deepspeed(tmp_path, pretrained):
+def test_peft_lora_on_a_pretrained_model_at_zero3_trains_checkpoints_and_resumes_as_deepspeed(tmp_path, pretrained):
     """`get_peft_model` on a model from `from_pretrained` at ZeRO-3, before Trainer: PEFT builds its
     adapters on the base weights' device beside the zero.Init model ([Note: parameters made beside
     a held model] in fxzero/zero.py), with dropout; only they train, and `save_model` writes them
-    alone (their initial values are the holder's draws, the same as DeepSpeed's every rank draws)."""
+    alone (their initial values are the holder's draws, the same as DeepSpeed's every rank draws).
+    Trainer checkpoints them every 2 steps with `save_checkpoint(exclude_frozen_parameters=True)`
+    and resumes from step 2 with `load_checkpoint(load_module_strict=False)` ([Note: a checkpoint
+    without the frozen parameters]), as under DeepSpeed: the steps after the resume, and the
+    adapters saved at the end, are the uninterrupted run's."""
     pytest.importorskip("peft")
-    got = hf_trainer.launch("fxzero", "zero3-pretrained-peft-lora", str(tmp_path), sys.executable, pretrained)
-    _compare("zero3-pretrained-peft-lora", got)
-    assert got["fingerprint"] and all("lora_" in k for k in got["fingerprint"])
-    assert all(abs(v[0]) > 1e-4 for k, v in got["fingerprint"].items() if "lora_B" in k)  # (zeros at the start)
+    first = hf_trainer.launch("fxzero", "zero3-pretrained-peft-lora-checkpoint", str(tmp_path), sys.executable,
+                              pretrained)
+    _compare("zero3-pretrained-peft-lora-checkpoint", first)
+    assert first["fingerprint"] and all("lora_" in k for k in first["fingerprint"])
+    assert all(abs(v[0]) > 1e-4 for k, v in first["fingerprint"].items() if "lora_B" in k)  # (zeros at the start)
+    with open(tmp_path / "out" / "checkpoint-2" / "global_step2" / "fxzero.json") as f:
+        left_out = json.load(f)["excluded_frozen"]
+    assert left_out and not any("lora_" in name for name in left_out)  # (the base model is not saved again)
+    resumed = hf_trainer.launch("fxzero", "zero3-pretrained-peft-lora-resume", str(tmp_path), sys.executable,
+                                pretrained)
+    _compare("zero3-pretrained-peft-lora-resume", resumed)
+    assert resumed["log"][2:] == first["log"][2:], "steps 3 and 4 after the resume are the uninterrupted run's"
+    assert resumed["fingerprint"] == first["fingerprint"]
 
 
 @pytest.mark.parametrize("name", ["sft-zero3-lora", "sft-zero3-lora-only-offload-checkpointing", "sft-zero2",
