@@ -63,6 +63,9 @@ NAMES: dict[str, dict[str, str]] = {
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},
     "git_version_info": {"version": "fxzero:__version__", "torch_info": "fxzero.accelerator:TORCH_INFO"},
     "checkpoint.utils": {"clone_tensors_for_torch_save": "fxzero.utils:clone_tensors_for_torch_save"},
+    # (Megatron-DeepSpeed's and DeepSpeedExamples' scripts log with these)
+    "utils.logging": {"logger": "fxzero.utils:logger", "log_dist": "fxzero.utils:log_dist"},
+    "runtime.utils": {"see_memory_usage": "fxzero.utils:see_memory_usage"},
     # (LoRA scripts swap a model's layers with these; DeepSpeed moved them from compression.helper)
     "utils.module_utils": {"recursive_getattr": "fxzero.utils:recursive_getattr",
                            "recursive_setattr": "fxzero.utils:recursive_setattr"},

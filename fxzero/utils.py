@@ -42,7 +42,8 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "safe_set_local_optimizer_state",
            # DeepSpeed's ZeRO-3 leaf modules (fxzero/leaf_modules.py)
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
-           "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+           "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+           "see_memory_usage"]
 
 
 def _logger() -> logging.Logger:
@@ -69,6 +70,45 @@ def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = l
     ranks = list(ranks) if ranks is not None else [-1]
     if -1 in ranks or rank in ranks:
         logger.log(level, f"[Rank {rank}] {message}")
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's memory log line (`deepspeed.runtime.utils.see_memory_usage`): with `force`, on
+    rank 0, after a garbage collection, logs `message`, the accelerator's allocated and reserved
+    memory (current and peak, whose peaks it then resets) where the ranks run on one, and the
+    host's: this process's resident set (now and at peak) and the machine's memory in use. Without
+    `force` it does nothing, as DeepSpeed's."""
+    import gc
+    import resource
+
+    import torch.distributed as dist
+
+    if not force or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    gc.collect()
+    logger.info(message)
+    gib = 1024 ** 3
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        logger.info(f"MA {torch.cuda.memory_allocated() / gib:.2f} GB         "
+                    f"Max_MA {torch.cuda.max_memory_allocated() / gib:.2f} GB         "
+                    f"CA {torch.cuda.memory_reserved() / gib:.2f} GB         "
+                    f"Max_CA {torch.cuda.max_memory_reserved() / gib:.2f} GB ")
+        torch.cuda.reset_peak_memory_stats()
+    rss = peak = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                kib = int(line.split()[1])
+                rss, peak = (kib, peak) if line.startswith("VmRSS:") else (rss, kib)
+    meminfo = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            meminfo[key] = int(value.split()[0])
+    used = meminfo["MemTotal"] - meminfo.get("MemAvailable", meminfo["MemFree"])
+    logger.info(f"CPU Virtual Memory:  used = {used / 1024 ** 2:.2f} GB, percent = "
+                f"{100 * used / meminfo['MemTotal']:.1f}%; this process: RSS {rss / 1024 ** 2:.2f} GB, "
+                f"peak {max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024 ** 2:.2f} GB")
 
 
 def _bound(param: torch.Tensor, what: str) -> tuple[UserModule, str]:

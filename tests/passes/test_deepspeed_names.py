@@ -164,3 +164,24 @@ def test_torch_info_the_cpu_accelerator_and_the_pipeline_refusal(monkeypatch):
     assert isinstance(LayerSpec(nn.Linear, 4, 2, bias=False).build(), nn.Linear)
     with pytest.raises(NotImplementedError, match="fxzero has no pipeline parallelism"):
         PipelineModule(layers=[LayerSpec(nn.Linear, 4, 4)])
+
+
+def test_see_memory_usage_logs_with_force_only_as_deepspeeds(caplog):
+    """`deepspeed.runtime.utils.see_memory_usage`: nothing without force; with it, the message and
+    the host's memory, this process's resident set included (a 64 MiB tensor held shows in it)."""
+    from fxzero.utils import see_memory_usage
+
+    held = torch.ones(16 * 1024 * 1024)  # (64 MiB, touched)
+    with caplog.at_level("INFO", logger="fxzero"):
+        import logging
+
+        logging.getLogger("fxzero").propagate = True
+        try:
+            see_memory_usage("quiet")
+            see_memory_usage("after the batch", force=True)
+        finally:
+            logging.getLogger("fxzero").propagate = False
+    lines = [r.getMessage() for r in caplog.records]
+    assert "quiet" not in lines and lines[0] == "after the batch"
+    rss = float(lines[-1].split("this process: RSS ")[1].split(" GB")[0])
+    assert rss >= held.numel() * 4 / 1024 ** 3 and "CPU Virtual Memory:  used = " in lines[-1]
