@@ -351,9 +351,15 @@ class UserModule:
         they are placeholders again. A unit is gathered by the innermost module holding all its
         parameters: a decoder layer's call gathers its unit once for all its Linear layers, the
         transformer's its embeddings for its whole forward; at most the units on the call stack
-        are whole at once. With gradients
-        enabled it is an error: a backward through the module would need the units again, and
-        its gradients would reach no shard; call the engine."""
+        are whole at once.
+
+        With gradients enabled (the embeddings of a model called apart from the engine, as
+        adversarial training perturbs them: `engine(inputs_embeds=engine.module.embed(ids) + delta)`)
+        autograd keeps the gathered parameters until the backward, so the units stay whole past the
+        call, as a forward run eagerly holds them ([Note: a forward run eagerly at ZeRO-3]): the
+        engine's backward carries the gradients they get into the shards ([Note: gradients from
+        outside the program] in `fxzero/runtime/outside_grads.py`) and then makes them
+        placeholders again (`release_held`; else the step does)."""
         self._direct.append(None)  # (popped by the call's end hook, which runs whatever happens)
         if not self._sharded:  # (ZeRO-1/2: every parameter is a view already)
             return
@@ -365,16 +371,10 @@ class UserModule:
                   if self.params[slot.fqn].is_meta and slot.fqn not in self._gathered and self._in_place(slot.fqn)]
         if not wanted:
             return
-        if torch.is_grad_enabled():
-            name = next(n for n, p in module._parameters.items() if p is not None and p.is_meta) \
-                if any(p is not None and p.is_meta for p in module._parameters.values()) else wanted[0]
-            raise RuntimeError(
-                f"[rank {self.comm.rank}] {type(module).__name__} ({fqn or 'the model'}) was called directly with "
-                f"gradients enabled, but its parameter {name!r} is sharded across the ranks (ZeRO-3): a backward "
-                "through it would reach no gradient shard. Call the engine (engine(...) gathers each unit as it "
-                "computes, forward and backward); under torch.no_grad() (generation, evaluation) a direct call "
-                "gathers each unit for its forward; or gather for eager use on every rank: with "
-                "fxzero.zero.GatheredParameters(model.parameters()): ...")
+        if torch.is_grad_enabled():  # (held until the backward has carried their gradients)
+            self._hold(wanted, f"{type(module).__name__} ({fqn or 'the model'}) called directly with gradients")
+            self._held.extend(wanted)
+            return
         self._hold(wanted, f"{type(module).__name__} ({fqn or 'the model'}) called directly under no_grad")
         self._direct[-1] = wanted
 

@@ -214,9 +214,9 @@ def _embedded_batches(rank: int) -> list[tuple[torch.Tensor, ...]]:
              0.01 * torch.randn(2, 4, 8, generator=g)) for _ in range(STEPS)]
 
 
-def _adversarial(rank: int, world_size: int) -> dict:
+def _adversarial(rank: int, world_size: int, stage: int) -> dict:
     torch.manual_seed(0)
-    engine = fxzero.compile(Embedded(), fxzero.Config(stage=2, optimizer=fxzero.SGD(lr=LR), cost_model=None))
+    engine = fxzero.compile(Embedded(), fxzero.Config(stage=stage, optimizer=fxzero.SGD(lr=LR), cost_model=None))
     losses, deltas = [], []
     for ids, y, delta in _embedded_batches(rank):
         delta = delta.clone().requires_grad_(True)
@@ -225,15 +225,19 @@ def _adversarial(rank: int, world_size: int) -> dict:
         engine.step()
         losses.append(loss.detach())
         deltas.append(delta.grad)
-    return {"losses": torch.stack(losses), "deltas": deltas, "state": engine.full_state_dict()}
+    return {"losses": torch.stack(losses), "deltas": deltas, "state": engine.full_state_dict(),
+            "placeholder_after": engine.module.embed.weight.is_meta}
 
 
-def test_a_perturbed_embedding_trains_the_models_own_embedding_as_ddp():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_perturbed_embedding_trains_the_models_own_embedding_as_ddp(stage):
     """FreeLB-style adversarial training: the embeddings computed by the model's own module called
     directly, plus a perturbation whose gradient the caller reads. The gradient flows through the
-    program into both; the embedding's is reduced as any other (ZeRO-2, [Note: gradients from
-    outside the program])."""
-    ranks = run_ranks(_adversarial, WORLD, timeout_s=240)
+    program into both; the embedding's is reduced as any other ([Note: gradients from outside the
+    program]). At ZeRO-3 the direct call gathers the embedding's unit and holds it until the
+    backward ([Note: calling a ZeRO-3 model directly]), a placeholder again after."""
+    ranks = run_ranks(_adversarial, WORLD, stage, timeout_s=240)
+    assert all(r["placeholder_after"] == (stage == 3) for r in ranks)
     torch.manual_seed(0)
     copies = [Embedded() for _ in range(WORLD)]
     for c in copies[1:]:
