@@ -75,6 +75,8 @@ NAMES: dict[str, dict[str, str]] = {
     "ops.adam": {"DeepSpeedCPUAdam": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPUAdam",
                  "FusedAdam": "fxzero.runtime.deepspeed_optimizers:FusedAdam"},
     "ops.adagrad": {"DeepSpeedCPUAdagrad": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPUAdagrad"},
+    "ops.lion": {"DeepSpeedCPULion": "fxzero.runtime.deepspeed_optimizers:DeepSpeedCPULion",
+                 "FusedLion": "fxzero.runtime.deepspeed_optimizers:FusedLion"},
     # random layer-token drop (docs/random_ltd.md): the layers route in fxzero's programs
     "runtime.data_pipeline.data_routing.helper": {
         "convert_to_random_ltd": "fxzero.runtime.random_ltd.helper:convert_to_random_ltd",

@@ -16,7 +16,7 @@ across units: `fxzero/leaf_modules.py`.
 
 from __future__ import annotations
 
-import logging
+import logging as _logging  # (`logging` here is DeepSpeed's deepspeed.utils.logging under the alias)
 import os
 import sys
 import warnings
@@ -46,14 +46,14 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "see_memory_usage"]
 
 
-def _logger() -> logging.Logger:
-    log = logging.getLogger("fxzero")
+def _logger() -> _logging.Logger:
+    log = _logging.getLogger("fxzero")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+        handler = _logging.StreamHandler(sys.stdout)
+        handler.setFormatter(_logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
                                                "%(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.setLevel(_logging.INFO)
         log.propagate = False
     return log
 
@@ -62,7 +62,7 @@ logger = _logger()
 """The "fxzero" logger (DeepSpeed's `deepspeed.utils.logger`: INFO to stdout)."""
 
 
-def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = logging.INFO) -> None:
+def log_dist(message: str, ranks: Optional[Iterable[int]] = None, level: int = _logging.INFO) -> None:
     """Log `message` on the ranks listed (None or [-1]: every rank), prefixed with the rank."""
     import torch.distributed as dist
 

@@ -1,9 +1,10 @@
 """DeepSpeed's optimizer classes as a script builds them (`deepspeed.ops.adam.DeepSpeedCPUAdam`,
-`FusedAdam`, `deepspeed.ops.adagrad.DeepSpeedCPUAdagrad`): objects fxzero reads, not runs.
+`FusedAdam`, `deepspeed.ops.adagrad.DeepSpeedCPUAdagrad`, `deepspeed.ops.lion.DeepSpeedCPULion`,
+`FusedLion`): objects fxzero reads, not runs.
 
 A DeepSpeed script builds one of these and hands it to `initialize`; accelerate builds a
 DeepSpeedCPUAdam from Hugging Face Trainer's optimizer when the config offloads the optimizer
-states. Under fxzero each is a torch optimizer holding the param groups and the options given,
+states (a DeepSpeedCPULion for bitsandbytes' 32-bit Lion). Under fxzero each is a torch optimizer holding the param groups and the options given,
 with DeepSpeed's defaults; `fxzero.initialize` reads them into the policy whose update runs on the
 shards (`policy_class`: Adam or AdamW by `adamw_mode`, Adagrad), as it reads a torch optimizer.
 The arithmetic is fxzero's (torch's formulas, as for the config's "Adam" type), not DeepSpeed's
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from fxzero.config.optimizers import Adagrad, Adam, AdamW, OptimizerPolicy
+from fxzero.config.optimizers import Adagrad, Adam, AdamW, Lion, OptimizerPolicy
 
-__all__ = ["DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedOptimizerObject", "FusedAdam"]
+__all__ = ["DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedCPULion", "DeepSpeedOptimizerObject", "FusedAdam",
+           "FusedLion"]
 
 
 _TORCH_ONLY = ("decoupled_weight_decay", "foreach", "fused", "maximize", "capturable", "differentiable")
@@ -85,3 +87,23 @@ class DeepSpeedCPUAdagrad(DeepSpeedOptimizerObject):
 
     def policy_class(self) -> type[OptimizerPolicy]:
         return Adagrad
+
+
+class DeepSpeedCPULion(DeepSpeedOptimizerObject):
+    """DeepSpeed's `DeepSpeedCPULion` (its defaults): Lion (`fxzero.Lion`: an element whose
+    interpolation is exactly 0 is not moved, where DeepSpeed's kernel moves it by lr)."""
+
+    def __init__(self, model_params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0, fp32_optimizer_states: bool = True) -> None:
+        super().__init__(model_params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    def policy_class(self) -> type[OptimizerPolicy]:
+        return Lion
+
+
+class FusedLion(DeepSpeedCPULion):
+    """DeepSpeed's `FusedLion` (its defaults): Lion, as `DeepSpeedCPULion`."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, set_grad_none: bool = True) -> None:
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)

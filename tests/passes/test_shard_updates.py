@@ -323,6 +323,11 @@ def test_deepspeeds_optimizer_objects_are_read_as_the_policies_they_name():
     assert _from_torch_optimizer(FusedAdam(model.parameters(), bias_correction=False))[0] == fxzero.AdamW(
         weight_decay=0.0, bias_correction=False)
     assert _from_torch_optimizer(DeepSpeedCPUAdagrad(model.parameters(), lr=0.1))[0] == fxzero.Adagrad(lr=0.1)
+    from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion  # (accelerate's for bitsandbytes' 32-bit Lion)
+
+    assert _from_torch_optimizer(DeepSpeedCPULion(model.parameters(), lr=1e-4, weight_decay=0.01))[0] == fxzero.Lion(
+        lr=1e-4, weight_decay=0.01)
+    assert _from_torch_optimizer(FusedLion(model.parameters(), betas=(0.95, 0.98)))[0] == fxzero.Lion(betas=(0.95, 0.98))
     trainers = torch.optim.AdamW(groups, lr=2e-3, fused=True)  # (accelerate hands over its groups, torch's keys in them)
     policy, got = _from_torch_optimizer(DeepSpeedCPUAdam(trainers.param_groups, lr=2e-3, weight_decay=0.1))
     assert policy == fxzero.AdamW(lr=2e-3, weight_decay=0.1) and [g.get("weight_decay") for g in got] == [None, 0.0]
