@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from fxzero.config.notices import warn_ineffective
 from fxzero.runtime import checkpoint
 from fxzero.runtime.random_ltd.helper import remove_random_ltd_state_dict
 from fxzero.runtime.random_ltd.routing import RandomLTDRouting
@@ -172,6 +173,22 @@ class EngineSurface:
         """Release what the engine holds outside Python's reach (offload I/O, NVMe files); DeepSpeed's
         name for `close()`."""
         self.close()
+
+    def compile(self, backend: Any = None, compile_kwargs: Optional[dict] = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set): torch.compile
+        on the module. fxzero compiles the model's forward and backward into its own programs at
+        the first call, which torch.compile's kernels do not run in, so this has no effect; it says
+        so once, and `is_compiled` is True after it, as DeepSpeed's."""
+        warn_ineffective([f"engine.compile(backend={backend!r}) has no effect: fxzero compiles the model's forward "
+                          "and backward into its own programs at the first call (`fxzero schedule` shows them), "
+                          "and torch.compile's kernels do not run in them"])
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` was called (DeepSpeed's flag; fxzero's programs are compiled in any case)."""
+        return getattr(self, "_is_compiled", False)
 
     def train(self, mode: bool = True) -> "EngineSurface":
         """Set the model's training mode (each mode runs its own compiled program)."""

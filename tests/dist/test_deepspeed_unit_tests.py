@@ -11,7 +11,7 @@ puts on PYTHONPATH. `LOCAL_SIZE=2` says the machine has 2 devices, as DeepSpeed'
 accelerator reads it (and fxzero's).
 
 The classes that test behaviour (`APPLICABLE`: 11 classes, 50 tests on this CPU) all pass; this
-test runs a representative one or two of each (`REPRESENTATIVE`, 13 tests, about 2 minutes on
+test runs a representative one of each (`REPRESENTATIVE`, 11 tests, about 1.2 minutes on
 2 idle cores); `FXZERO_DEEPSPEED_UNIT=all` runs all 50 (6.5 minutes).
 
 The classes that test DeepSpeed's internals, not applicable (`NOT_APPLICABLE`, with reasons), and
@@ -100,12 +100,10 @@ SKIPPED_ON_CPU = {
 
 REPRESENTATIVE = [
     "TestGradientAllreduceOp::test[True-True-False-1.0-sum-2.0-1]",
-    "TestGradientAllreduceOp::test[False-False-True-1.0-mean-1.0-0]",
     "TestGradientAllreduceOpTraining::test[adamw-zero2]",
     "TestZeroUnbalancedGradients::test[3]",
     "TestZero3RepeatForwardLoop::test[False]",
     "TestZeroToFP32::test_1_param_group[True-3]",
-    "TestZeroToFP32::test_2_param_groups[False-2]",
     "TestZeroOffloadStage1::test",
     "TestZeroFrozenWeights::test[3]",
     "TestZeroOffloadOptim::test[False]",
@@ -113,7 +111,8 @@ REPRESENTATIVE = [
     "TestZero3SwitchModes::test[0.5]",
     "TestZero3ClientModuleID::test_client_module_id",
 ]
-"""One or two tests of each applicable class (both allreduce ops, stages 0-3, offload, bf16)."""
+"""One test of each applicable class (sum reduction, stages 1-3, offload, bf16); the whole classes with
+`FXZERO_DEEPSPEED_UNIT=all`."""
 
 
 def _selection() -> list[str]:

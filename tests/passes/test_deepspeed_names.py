@@ -185,3 +185,20 @@ def test_see_memory_usage_logs_with_force_only_as_deepspeeds(caplog):
     assert "quiet" not in lines and lines[0] == "after the batch"
     rss = float(lines[-1].split("this process: RSS ")[1].split(" GB")[0])
     assert rss >= held.numel() * 4 / 1024 ** 3 and "CPU Virtual Memory:  used = " in lines[-1]
+
+
+def test_engine_compile_says_once_it_has_no_effect():
+    """DeepSpeed's `engine.compile(backend=..., compile_kwargs=...)`, which accelerate calls when a
+    dynamo backend is set: fxzero's programs are compiled already; it warns once, sets `is_compiled`,
+    and the engine trains as before."""
+    from fxzero.config.notices import IneffectiveSetting
+
+    torch.manual_seed(0)
+    engine = fxzero.compile(nn.Linear(4, 2), fxzero.Config(stage=3, optimizer=fxzero.SGD(lr=0.1), cost_model=None))
+    assert not engine.is_compiled
+    with pytest.warns(IneffectiveSetting, match=r"engine.compile\(backend='inductor'\) has no effect"):
+        engine.compile(backend="inductor", compile_kwargs={"mode": "max-autotune"})
+    assert engine.is_compiled
+    loss = engine(torch.randn(3, 4)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
