@@ -211,7 +211,8 @@ class Engine(EngineSurface):
             def marked(x: Any) -> Any:
                 if not isinstance(x, torch.Tensor):
                     return x
-                i, alias = next(position), x.detach()  # (an alias: the user's tensor stays unmarked)
+                # (an alias: the user's tensor stays unmarked; requiring grad as it does, [Note: inputs that require grad])
+                i, alias = next(position), x.detach().requires_grad_(x.requires_grad)
                 maybe_mark_dynamic(alias, sorted(d for j, d in dynamic if j == i))
                 return alias
 

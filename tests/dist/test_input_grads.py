@@ -260,3 +260,33 @@ def test_a_perturbed_embedding_trains_the_models_own_embedding_as_ddp(stage):
                     p.add_(mean, alpha=-LR)
     for name, value in copies[0].state_dict().items():
         assert torch.equal(ranks[0]["state"][name], value), name
+
+
+def _two_lengths(rank: int, world_size: int) -> dict:
+    """Two sequence lengths: the second call compiles a program with symbolic sizes, from aliases
+    of the inputs ([Note: what a program is compiled for]); the input that requires grad must stay
+    one there."""
+    torch.manual_seed(0)
+    engine = fxzero.compile(Embedded(), fxzero.Config(stage=3, optimizer=fxzero.SGD(lr=LR), cost_model=None))
+    grads = []
+    for length in (4, 6, 5):
+        g = torch.Generator().manual_seed(40 + rank + length)
+        y = torch.randint(0, 16, (2, length), generator=g)
+        embeds = torch.randn(2, length, 8, generator=g).requires_grad_(True)
+        engine.backward(engine(inputs_embeds=embeds, y=y))
+        grads.append(embeds.grad)
+    return {"grads": grads}
+
+
+def test_an_input_that_requires_grad_keeps_its_gradient_in_a_program_of_any_size():
+    ranks = run_ranks(_two_lengths, WORLD, timeout_s=240)
+    torch.manual_seed(0)
+    model = Embedded()
+    for rank, got in enumerate(ranks):
+        for i, length in enumerate((4, 6, 5)):
+            g = torch.Generator().manual_seed(40 + rank + length)
+            y = torch.randint(0, 16, (2, length), generator=g)
+            embeds = torch.randn(2, length, 8, generator=g).requires_grad_(True)
+            model(inputs_embeds=embeds, y=y).backward()
+            assert got["grads"][i] is not None, (rank, length)
+            assert torch.equal(got["grads"][i], embeds.grad), (rank, length)
