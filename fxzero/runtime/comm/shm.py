@@ -133,6 +133,7 @@ class _Transport:
         self.sync = dist.new_group(backend="gloo", **timeout)
         token = comm.all_gather_object(uuid.uuid4().hex)[0]
         paths = [os.path.join(SHM_DIR, f"fxzero-{token}-{r}") for r in range(self.world_size)]
+        self.paths = tuple(paths)  # (each unlinked below, once every rank mapped them)
         nbytes = 2 * self.world_size * chunk_bytes
         mine = _Segment(paths[self.rank], nbytes, create=True)
         try:
