@@ -26,6 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "tests", "deepspeed_examples")
 sys.path.insert(0, EXAMPLES)
+from opt_tiny import make_opt_tiny  # noqa: E402  (tests/deepspeed_examples/opt_tiny.py)
 from tokenizer import make_tokenizer  # noqa: E402  (tests/deepspeed_examples/tokenizer.py)
 
 RUNS: dict[str, dict] = {}
@@ -49,10 +50,35 @@ for _nproc in (1, 2):
     RUNS[f"hello-fixed-bf16-{_nproc}"] = {**RUNS[f"hello-bf16-{_nproc}"], "env": {"FXZERO_WIKITEXT_WORDS": "200"}}
 
 
+_DSCHAT = ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--model_name_or_path", "{opt}",
+           "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "64",
+           "--learning_rate", "1e-3", "--num_train_epochs", "1", "--lr_scheduler_type", "cosine", "--seed", "1234",
+           "--dtype", "bf16", "--deepspeed", "--output_dir", "{workdir}/out", "--data_output_path", "{workdir}/data"]
+"""DeepSpeed-Chat's arguments (its run_*.sh's, scaled down): the default Dahoas/rm-static (synthetic) split
+2,4,4 (step 1 trains on 64 rows, step 2 on 128 pairs), an OPT of width 64 from a pretrained directory
+(opt_tiny.py), micro-batch 4 padded to 64 tokens, one epoch, bf16, saving the model at its end."""
+_LORA = ["--lora_dim", "8", "--lora_module_name", "decoder.layers.", "--only_optimize_lora", "--lora_learning_rate",
+         "1e-3", "--gradient_checkpointing", "--gradient_accumulation_steps", "2", "--compute_fp32_loss"]
+"""run_1.3b_lora.sh's LoRA (only the adapters trained), with gradient checkpointing, accumulation, fp32 loss."""
+_SFT = "DeepSpeed-Chat/training/step1_supervised_finetuning/main.py"
+_REWARD = "DeepSpeed-Chat/training/step2_reward_model_finetuning/main.py"
+for _name, _script, _extra in (("sft-stage2", _SFT, ["--zero_stage", "2"]),
+                               ("sft-stage3-lora", _SFT, ["--zero_stage", "3", *_LORA]),
+                               ("sft-stage3-offload", _SFT, ["--zero_stage", "3", "--offload",
+                                                             "--gradient_accumulation_steps", "2"]),
+                               ("reward-stage2", _REWARD, ["--zero_stage", "2"])):
+    # (not the reward model at ZeRO-3: DeepSpeed 0.19.8 fails its initialize there, its value head
+    # being fp32 beside the bf16 model, "assert len(set(t.dtype for t in tensors)) == 1")
+    RUNS[f"dschat-{_name}-bf16-2"] = {"script": _script, "shims": "dschat", "nproc": 2, "launcher": "deepspeed",
+                                      "args": [*_DSCHAT, *_extra], "saves": "out/pytorch_model.bin"}
+
+
 def environment(record_dir: str, shims: str) -> dict[str, str]:
     """What every rank of either system gets: the script's data shims, the recorder, the seed."""
     env = dict(os.environ)
     paths = [os.path.join(EXAMPLES, "shims", shims), os.path.join(EXAMPLES, "record")]
+    if shims == "dschat":  # (DeepSpeed-Chat's scripts import its `dschat` package, a namespace package)
+        paths.append(os.path.join(EXAMPLES, "DeepSpeed-Chat"))
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(FXZERO_SEED="0", FXZERO_RECORD_LOSSES=record_dir, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     return env
@@ -61,11 +87,15 @@ def environment(record_dir: str, shims: str) -> dict[str, str]:
 def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict:
     """Run one script under `system` ("deepspeed" or "fxzero"); rank 0's recorded losses and times."""
     script = os.path.join(EXAMPLES, run["script"])
-    tokenizer = make_tokenizer(os.path.join(tempfile.gettempdir(), "fxzero-roberta-shaped-tokenizer"))
-    args = [a.format(workdir=workdir, tokenizer=tokenizer) for a in run["args"]]
+    made = {"tokenizer": lambda: make_tokenizer(os.path.join(tempfile.gettempdir(), "fxzero-roberta-shaped-tokenizer")),
+            "opt": lambda: make_opt_tiny(os.path.join(tempfile.gettempdir(), "fxzero-opt-tiny"))}
+    made = {key: make() for key, make in made.items() if any("{" + key + "}" in a for a in run["args"])}
+    args = [a.format(workdir=workdir, **made) for a in run["args"]]
     env = {**environment(workdir, run["shims"]), **run.get("env", {})}
     if system == "fxzero":
         cmd = [python, "-m", "fxzero.cli", "run", f"--num_gpus={run['nproc']}", f"--master_port={port}"]
+    elif run.get("launcher") == "deepspeed":  # (the script takes --local_rank, which DeepSpeed's launcher passes)
+        cmd = [python, "-m", "deepspeed.launcher.runner", f"--num_gpus={run['nproc']}", f"--master_port={port}"]
     else:
         cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={run['nproc']}", f"--master_port={port}"]
     proc = subprocess.run([*cmd, script, *args], cwd=workdir, env=env, capture_output=True,
@@ -74,7 +104,33 @@ def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict
         raise RuntimeError(f"{system} {run['script']} {' '.join(run['args'])} failed:\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-6000:]}")
     with open(os.path.join(workdir, "rank0.json")) as f:
-        return json.load(f)
+        result = json.load(f)
+    if run.get("saves"):
+        result["saved"] = saved_norms(os.path.join(workdir, run["saves"]), made["opt"])
+    return result
+
+
+def saved_norms(path: str, pretrained: str) -> dict[str, list]:
+    """For every tensor of the model file a script saved (a torch.save'd state dict): its L2 norm,
+    and how far training moved it, the norm of its difference from the pretrained tensor of that
+    name in the saved one's dtype (DeepSpeed-Chat's reward model holds the base model as
+    `rwtransformer.`), or None where the pretrained model has none (the reward model's value head)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    initial = load_file(os.path.join(pretrained, "model.safetensors"))
+    out = {}
+    for key, value in sorted(state.items()):
+        start = initial.get(key.replace("rwtransformer.", "model.", 1))
+        moved = float((value.double() - start.to(value.dtype).double()).norm()) if start is not None else None
+        out[key] = [float(value.double().norm()), moved]
+    return out
+
+
+def moved_norm(saved: dict[str, list]) -> float:
+    """How far training moved the whole saved model (`saved_norms`), over the tensors it started from."""
+    return sum(moved ** 2 for _, moved in saved.values() if moved is not None) ** 0.5
 
 
 def main() -> int:
@@ -83,7 +139,8 @@ def main() -> int:
     parser.add_argument("--fxzero-python", default=sys.executable)
     parser.add_argument("--runs", default="cifar-stage0-fp32-2,cifar-stage3-fp32-2,cifar-stage0-fp32-1,"
                         "cifar-stage3-bf16-2", help="comma-separated names: " + ", ".join(RUNS))
-    parser.add_argument("--write", help="store DeepSpeed's losses here (the test's reference)")
+    parser.add_argument("--write", help="store DeepSpeed's losses here (the test's reference), beside the runs "
+                        "the file holds already")
     args = parser.parse_args()
     reference = {}
     for i, name in enumerate(args.runs.split(",")):
@@ -98,12 +155,19 @@ def main() -> int:
         for system in ("deepspeed", "fxzero"):
             times = out[system]["step_s"][1:]  # (the first step compiles, or warms caches)
             out[f"{system}_median_step_s"] = statistics.median(times) if times else None
+        if "saved" in out["deepspeed"]:
+            out["saved_moved_norms"] = {system: moved_norm(out[system]["saved"]) for system in ("deepspeed", "fxzero")}
         print(json.dumps(out), flush=True)
-        reference[name] = {"args": run["args"], "nproc": run["nproc"], "losses": ds}
-    if args.write:
+        reference[name] = {"args": run["args"], "nproc": run["nproc"], "losses": ds,
+                           **({"saved": out["deepspeed"]["saved"]} if "saved" in out["deepspeed"] else {})}
+    if args.write:  # (the runs given replace theirs; the file's other runs stay)
+        if os.path.exists(args.write):
+            with open(args.write) as f:
+                reference = {**json.load(f)["runs"], **reference}
         with open(args.write, "w") as f:
             json.dump({"deepspeed": "0.19.8", "note": "rank 0's per-step losses under DeepSpeed on its CPU "
-                       "accelerator, written by tools/deepspeed_examples.py", "runs": reference}, f, indent=1)
+                       "accelerator (and the norms of the model a script saved), written by "
+                       "tools/deepspeed_examples.py", "runs": reference}, f, indent=1)
     return 0
 
 

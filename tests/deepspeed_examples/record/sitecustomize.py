@@ -9,6 +9,9 @@ On PYTHONPATH with FXZERO_RECORD_LOSSES=DIR, the engine's `backward(loss)` (Deep
 each rank writes `DIR/rank<RANK>.json` at exit: the per-step losses of DeepSpeedExamples'
 scripts under DeepSpeed and under fxzero, compared by tools/deepspeed_examples.py and
 tests/dist/test_deepspeed_examples.py.
+
+Where a script's shims directory holds a `_shim_prelude` module, every rank imports it first (its
+fixes to the environment: shims/dschat/_shim_prelude.py).
 """
 
 import atexit
@@ -17,6 +20,9 @@ import importlib.util
 import json
 import os
 import time
+
+if "LOCAL_RANK" in os.environ and importlib.util.find_spec("_shim_prelude") is not None:
+    importlib.import_module("_shim_prelude")  # (a shims directory's fixes to the environment)
 
 if os.environ.get("FXZERO_SEED") and "LOCAL_RANK" in os.environ:
     import torch
@@ -27,11 +33,16 @@ if os.environ.get("FXZERO_RECORD_LOSSES") and "LOCAL_RANK" in os.environ:  # (a 
     _LOSSES: list = []
     _TIMES: list = []  # (when each backward began: the differences are the step times)
 
+    _PATCHED: list = []
+
     def _patch(module_name: str, class_name: str) -> None:
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except ImportError:
             return
+        if cls in _PATCHED:  # (under `fxzero run`, DeepSpeedEngine is fxzero's Engine itself)
+            return
+        _PATCHED.append(cls)
         backward = cls.backward
 
         def recording(self, loss, *args, **kwargs):
@@ -41,9 +52,9 @@ if os.environ.get("FXZERO_RECORD_LOSSES") and "LOCAL_RANK" in os.environ:  # (a 
 
         cls.backward = recording
 
+    # (whichever this process has: a DeepSpeed environment may have fxzero installed beside it)
     _patch("fxzero.runtime.engine", "Engine")
-    if importlib.util.find_spec("fxzero") is None:  # (a DeepSpeed environment)
-        _patch("deepspeed.runtime.engine", "DeepSpeedEngine")
+    _patch("deepspeed.runtime.engine", "DeepSpeedEngine")
 
     def _write() -> None:
         path = os.path.join(os.environ["FXZERO_RECORD_LOSSES"], f"rank{os.environ.get('RANK', '0')}.json")
