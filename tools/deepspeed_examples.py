@@ -26,7 +26,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "tests", "deepspeed_examples")
 sys.path.insert(0, EXAMPLES)
-from opt_tiny import make_opt_tiny  # noqa: E402  (tests/deepspeed_examples/opt_tiny.py)
+import opt_tiny  # noqa: E402  (tests/deepspeed_examples/opt_tiny.py)
+from opt_tiny import make_opt_tiny  # noqa: E402
 from tokenizer import make_tokenizer  # noqa: E402  (tests/deepspeed_examples/tokenizer.py)
 
 RUNS: dict[str, dict] = {}
@@ -70,7 +71,28 @@ for _name, _script, _extra in (("sft-stage2", _SFT, ["--zero_stage", "2"]),
     # (not the reward model at ZeRO-3: DeepSpeed 0.19.8 fails its initialize there, its value head
     # being fp32 beside the bf16 model, "assert len(set(t.dtype for t in tensors)) == 1")
     RUNS[f"dschat-{_name}-bf16-2"] = {"script": _script, "shims": "dschat", "nproc": 2, "launcher": "deepspeed",
-                                      "args": [*_DSCHAT, *_extra], "saves": "out/pytorch_model.bin"}
+                                      "args": [*_DSCHAT, *_extra], "saves": ("out/pytorch_model.bin",)}
+_RLHF = ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--actor_model_name_or_path", "{opt}",
+         "--critic_model_name_or_path", "{critic}", "--num_padding_at_beginning", "1",
+         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+         "--generation_batches", "1", "--ppo_epochs", "1", "--max_answer_seq_len", "32", "--max_prompt_seq_len", "64",
+         "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-4", "--num_train_epochs", "1",
+         "--lr_scheduler_type", "cosine", "--gradient_accumulation_steps", "1", "--actor_dropout", "0.0",
+         "--num_warmup_steps", "0", "--deepspeed", "--seed", "1234", "--dtype", "bf16", "--enable_test_mode",
+         "--test_stop_step", "2", "--output_dir", "{workdir}/out", "--data_output_path", "{workdir}/data"]
+"""DeepSpeed-Chat's step 3 (PPO), as its run_1.3b.sh (scaled down): the actor from the pretrained OPT, the
+critic and reward model from a step-2-shaped directory (opt_tiny.make_opt_tiny_critic), generation
+batches of 4 prompts answered greedily with up to 32 tokens, 2 PPO steps (its test mode), bf16; four
+engines in one process (actor, reference, critic, reward; with --enable_ema a fifth). Without its
+--enable_hybrid_engine: DeepSpeed's hybrid engine needs inference kernels its CPU accelerator lacks."""
+for _name, _extra, _saves in (("stage2", ["--actor_zero_stage", "2", "--critic_zero_stage", "2"], ("actor", "critic")),
+                              ("actor-stage3-ema", ["--actor_zero_stage", "3", "--critic_zero_stage", "2",
+                                                    "--enable_ema"], ("actor", "actor_ema", "critic"))):
+    # (not the critic at ZeRO-3: DeepSpeed 0.19.8 fails there as for the reward model)
+    RUNS[f"dschat-rlhf-{_name}-bf16-2"] = {
+        "script": "DeepSpeed-Chat/training/step3_rlhf_finetuning/main.py", "shims": "dschat", "nproc": 2,
+        "launcher": "deepspeed", "args": [*_RLHF, *_extra],
+        "saves": tuple(f"out/{model}/pytorch_model.bin" for model in _saves)}
 
 
 def environment(record_dir: str, shims: str) -> dict[str, str]:
@@ -88,7 +110,9 @@ def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict
     """Run one script under `system` ("deepspeed" or "fxzero"); rank 0's recorded losses and times."""
     script = os.path.join(EXAMPLES, run["script"])
     made = {"tokenizer": lambda: make_tokenizer(os.path.join(tempfile.gettempdir(), "fxzero-roberta-shaped-tokenizer")),
-            "opt": lambda: make_opt_tiny(os.path.join(tempfile.gettempdir(), "fxzero-opt-tiny"))}
+            "opt": lambda: make_opt_tiny(opt_tiny.directory_for("opt", tempfile.gettempdir())),
+            "critic": lambda: opt_tiny.make_opt_tiny_critic(opt_tiny.directory_for("critic", tempfile.gettempdir()),
+                                                            make_opt_tiny(opt_tiny.directory_for("opt", tempfile.gettempdir())))}
     made = {key: make() for key, make in made.items() if any("{" + key + "}" in a for a in run["args"])}
     args = [a.format(workdir=workdir, **made) for a in run["args"]]
     env = {**environment(workdir, run["shims"]), **run.get("env", {})}
@@ -106,7 +130,11 @@ def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict
     with open(os.path.join(workdir, "rank0.json")) as f:
         result = json.load(f)
     if run.get("saves"):
-        result["saved"] = saved_norms(os.path.join(workdir, run["saves"]), made["opt"])
+        result["saved"] = {}
+        for path in run["saves"]:  # (keys "<file's folder>/<tensor>" where a run saves several models)
+            prefix = "" if len(run["saves"]) == 1 else os.path.basename(os.path.dirname(path)) + "/"
+            saved = saved_norms(os.path.join(workdir, path), made["opt"])
+            result["saved"].update({prefix + key: value for key, value in saved.items()})
     return result
 
 

@@ -7,13 +7,27 @@ merges.txt DeepSpeed-Chat's `save_hf_format` copies out), trained here on the wo
 `w1999` of the synthetic rm-static (shims/dschat/datasets), with OPT's special tokens (<s> 0,
 <pad> 1, </s> 2, <unk> 3; </s> is its bos and eos). The model is an `OPTForCausalLM` of width 64,
 2 layers of 4 heads, its vocabulary the tokenizer's rounded up to 8 (as DeepSpeed-Chat resizes
-it), initialised from seed 0.
+it), initialised from seed 0 and stored in fp32 with values bf16 holds exactly. (DeepSpeed casts
+the module to bf16 before it copies its fp32 master weights, so its masters start from the
+pretrained weights rounded to bf16; fxzero's start from the pretrained values themselves. From
+pretrained weights of bf16 values both start alike, and their bf16 runs differ by the rounding
+of what they compute only.)
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+
+
+VERSION = 2
+"""Part of the directories' names (`directory_for`): a change to what is written here changes it, so a
+directory written by an earlier version is never taken for this one's."""
+
+
+def directory_for(kind: str, parent: str) -> str:
+    """Where the `kind` ("opt" or "critic") directory of this version lives under `parent`."""
+    return os.path.join(parent, f"fxzero-opt-tiny-{kind}-v{VERSION}")
 
 
 def make_opt_tiny(directory: str) -> str:
@@ -39,9 +53,38 @@ def make_opt_tiny(directory: str) -> str:
     config = OPTConfig(vocab_size=8 * ((len(tokenizer) + 7) // 8), hidden_size=64, word_embed_proj_dim=64,
                        num_hidden_layers=2, ffn_dim=256, num_attention_heads=4, max_position_embeddings=256,
                        pad_token_id=1, bos_token_id=2, eos_token_id=2)
-    OPTForCausalLM(config).save_pretrained(staging)
+    model = OPTForCausalLM(config)
+    with torch.no_grad():  # (values bf16 holds exactly: see the module's docstring)
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16))
+    model.save_pretrained(staging)
     try:
         os.rename(staging, directory)
     except OSError:  # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def make_opt_tiny_critic(directory: str, pretrained: str) -> str:
+    """A reward-model directory in the shape DeepSpeed-Chat's step 2 saves (its step 3's
+    --critic_model_name_or_path): the pretrained directory's config and tokenizer, and a
+    `pytorch_model.bin` holding a `RewardModel`'s state dict, the pretrained OPT decoder under
+    `rwtransformer.` and a value head `v_head.weight` (1 x 64, normal of std 0.02 from seed 1).
+    Written once into `directory`."""
+    if os.path.exists(os.path.join(directory, "pytorch_model.bin")):
+        return directory
+    import torch
+    from safetensors.torch import load_file
+
+    staging = f"{directory}.tmp{os.getpid()}"
+    shutil.copytree(pretrained, staging, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = {f"rwtransformer.{key[len('model.'):]}": value
+             for key, value in load_file(os.path.join(pretrained, "model.safetensors")).items()
+             if key.startswith("model.")}
+    state["v_head.weight"] = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)) * 0.02
+    torch.save(state, os.path.join(staging, "pytorch_model.bin"))
+    try:
+        os.rename(staging, directory)
+    except OSError:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
