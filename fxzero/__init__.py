@@ -83,8 +83,10 @@ _NOT_IN_FXZERO = {
                                  "own layers (fxzero traces them)",
     "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels are not in fxzero: keep the model's "
                                   "own layers (fxzero traces them)",
-    "DeepSpeedHybridEngine": "DeepSpeed's hybrid engine (training and inference kernels in one, DeepSpeed-Chat's "
-                             "--enable_hybrid_engine) is not in fxzero: run without it",
+    "DeepSpeedHybridEngine": "DeepSpeed's hybrid engine class (training and inference kernels in one) is not in "
+                             "fxzero: deepspeed.initialize with the config's hybrid_engine.enabled (DeepSpeed-Chat's "
+                             "--enable_hybrid_engine) gives fxzero's engine, whose model's generate gathers the "
+                             "ZeRO-3 model once (Config.gather_for_generate)",
     "PipelineEngine": "fxzero has no pipeline parallelism (it is data parallel over every rank)",
     "DualPipeVEngine": "fxzero has no pipeline parallelism (it is data parallel over every rank)",
     "DualPipeVModule": "fxzero has no pipeline parallelism (it is data parallel over every rank)",

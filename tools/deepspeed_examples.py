@@ -93,6 +93,14 @@ for _name, _extra, _saves in (("stage2", ["--actor_zero_stage", "2", "--critic_z
         "script": "DeepSpeed-Chat/training/step3_rlhf_finetuning/main.py", "shims": "dschat", "nproc": 2,
         "launcher": "deepspeed", "args": [*_RLHF, *_extra],
         "saves": tuple(f"out/{model}/pytorch_model.bin" for model in _saves)}
+RUNS["dschat-rlhf-actor-stage3-ema-hybrid-bf16-2"] = {
+    **RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"], "args": [*RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"]["args"],
+                                                           "--enable_hybrid_engine"],
+    "compared_with": "dschat-rlhf-actor-stage3-ema-bf16-2"}
+"""DeepSpeed-Chat's run_1.3b.sh generates with DeepSpeed's hybrid engine (--enable_hybrid_engine), which
+DeepSpeed's CPU accelerator cannot run ("This op had not been implemented on CPU backend"): fxzero's
+run with it (Config.gather_for_generate: the same tokens, the model gathered once per generate) is
+compared with DeepSpeed's run without it."""
 
 
 def environment(record_dir: str, shims: str) -> dict[str, str]:
@@ -174,9 +182,11 @@ def main() -> int:
     for i, name in enumerate(args.runs.split(",")):
         run = RUNS[name]
         out = {"run": name, "script": run["script"], "args": run["args"], "nproc": run["nproc"]}
+        ds_name = run.get("compared_with", name)  # (what DeepSpeed runs: without what it cannot run here)
         for system, python in (("deepspeed", args.deepspeed_python), ("fxzero", args.fxzero_python)):
             with tempfile.TemporaryDirectory() as workdir:
-                out[system] = launch(system, run, workdir, python, 29600 + 2 * i + (system == "fxzero"))
+                out[system] = launch(system, RUNS[ds_name] if system == "deepspeed" else run, workdir, python,
+                                     29600 + 2 * i + (system == "fxzero"))
         ds, fx = out["deepspeed"]["losses"], out["fxzero"]["losses"]
         out["steps"] = len(ds)
         out["max_abs_loss_difference"] = max(abs(a - b) for a, b in zip(ds, fx)) if len(ds) == len(fx) else None
@@ -186,7 +196,7 @@ def main() -> int:
         if "saved" in out["deepspeed"]:
             out["saved_moved_norms"] = {system: moved_norm(out[system]["saved"]) for system in ("deepspeed", "fxzero")}
         print(json.dumps(out), flush=True)
-        reference[name] = {"args": run["args"], "nproc": run["nproc"], "losses": ds,
+        reference[ds_name] = {"args": RUNS[ds_name]["args"], "nproc": run["nproc"], "losses": ds,
                            **({"saved": out["deepspeed"]["saved"]} if "saved" in out["deepspeed"] else {})}
     if args.write:  # (the runs given replace theirs; the file's other runs stay)
         if os.path.exists(args.write):

@@ -124,6 +124,14 @@ class Config:
     """Random layer-token drop (`fxzero.config.random_ltd.RandomLTD`, DeepSpeed's
     data_efficiency.data_routing.random_ltd): the layers a script converts run on a scheduled
     number of random tokens in training; None: off. See docs/random_ltd.md."""
+    gather_for_generate: bool = False
+    """At ZeRO-3, the model's `generate` (a Hugging Face model's) gathers the whole model once, in the
+    compute dtype, for the call, and releases it at its end, where a model called directly gathers
+    each layer at each forward, once per generated token ([Note: calling a ZeRO-3 model directly]).
+    DeepSpeed's hybrid engine (`hybrid_engine.enabled`, DeepSpeed-Chat's --enable_hybrid_engine)
+    does so, and then generates with its inference kernels; fxzero runs the model's own forward, so
+    the tokens are those the model computes without it. The rank holds the whole model in the
+    compute dtype while it generates. No effect below ZeRO-3."""
     dataloader_drop_last: bool = False
     """Whether the dataloader `fxzero.initialize` returns drops each epoch's last, incomplete batch."""
     steps_per_print: Optional[int] = None

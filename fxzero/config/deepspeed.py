@@ -417,6 +417,47 @@ def _autocast(ds: dict[str, Any], get: Any, mp: "MixedPrecision | None", notes: 
 _LEAF_KEYS = ("classes", "names", "name_suffixes")
 
 
+_HYBRID_ENGINE = {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+                  "pin_parameters": True, "tp_gather_partition_size": 8, "enable_cuda_graph": False}
+"""DeepSpeed 0.19.8's hybrid_engine section (`HybridEngineConfig` in runtime/config.py): its keys and
+their defaults."""
+
+
+def _hybrid_engine(section: Any, stage: int, ineffective: list[str]) -> bool:
+    """`hybrid_engine`, read whole: whether the model's generate gathers the ZeRO-3 model once
+    (`Config.gather_for_generate`). What sizes or tunes DeepSpeed's inference kernels has no effect
+    (named once); tensor-parallel generation is an error."""
+    if section is None:
+        return False
+    if not isinstance(section, dict):
+        raise ValueError(f"DeepSpeed config: hybrid_engine must be an object, got {section!r}")
+    unknown = sorted(set(section) - set(_HYBRID_ENGINE))
+    if unknown:
+        raise ValueError(f"DeepSpeed config: hybrid_engine has no key {unknown[0]!r} (DeepSpeed's are "
+                         f"{', '.join(_HYBRID_ENGINE)})")
+    if not isinstance(section.get("enabled", False), bool):
+        raise ValueError(f"DeepSpeed config: hybrid_engine.enabled must be true or false, got {section['enabled']!r}")
+    if not section.get("enabled", False):
+        return False
+    if section.get("inference_tp_size", 1) != 1:
+        raise ValueError(f"DeepSpeed config: hybrid_engine.inference_tp_size={section['inference_tp_size']!r} is "
+                         "not supported by fxzero: it generates without tensor parallelism; set it to 1, or drop it")
+    tuned = [key for key in ("max_out_tokens", "release_inference_cache", "pin_parameters",
+                             "tp_gather_partition_size", "enable_cuda_graph")
+             if key in section and section[key] != _HYBRID_ENGINE[key]]
+    if tuned:
+        keys = ", ".join(f"'hybrid_engine.{k}'" for k in tuned)
+        ineffective.append(f"DeepSpeed config key{'s' if len(tuned) > 1 else ''} {keys} "
+                           f"{'have' if len(tuned) > 1 else 'has'} no effect in fxzero: "
+                           "they size or tune DeepSpeed's inference kernels, and fxzero generates with the model's "
+                           "own forward")
+    if stage != 3:
+        ineffective.append(f"DeepSpeed config key 'hybrid_engine.enabled' has no effect in fxzero at ZeRO-{stage}: "
+                           "every rank holds the whole model, and generate runs on it as it is")
+        return False
+    return True
+
+
 def _leaf_modules(section: Any) -> "LeafModules | None":
     """zero_optimization.leaf_module as a LeafModules (None: not given, Config's default, which is
     DeepSpeed's); each field takes a name or a list of names, as DeepSpeed's does."""
@@ -541,6 +582,8 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
     random_ltd = random_ltd_from_deepspeed(ds.get("data_efficiency"), reader.ineffective, notes)
     if random_ltd is not None:
         fields["random_ltd"] = random_ltd
+    if _hybrid_engine(ds.get("hybrid_engine"), stage, reader.ineffective):
+        fields["gather_for_generate"] = True
     leaf = _leaf_modules(get("zero_optimization.leaf_module"))
     if leaf is not None:
         fields["leaf_modules"] = leaf

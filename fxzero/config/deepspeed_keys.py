@@ -355,7 +355,11 @@ KEYS: dict[str, Key] = {
     "graph_harvesting": _off("graph harvesting (removed from DeepSpeed 0.19 too) is not in fxzero"),
     "sparse_attention": _off("sparse attention (removed from DeepSpeed 0.19 too) is not in fxzero", honoured=None),
     "pipeline": _none("configures DeepSpeed's PipelineModule, which fxzero does not have"),
-    "hybrid_engine": _off("the hybrid engine (RLHF generation) is not in fxzero", honoured=({}, {"enabled": False})),
+    "hybrid_engine": _used("enabled: Config.gather_for_generate, the model's generate gathers the ZeRO-3 model once "
+                           "per call (DeepSpeed's hybrid engine, without its inference kernels); "
+                           "inference_tp_size other than 1 is an error (no tensor-parallel generation); "
+                           "max_out_tokens, release_inference_cache, pin_parameters, tp_gather_partition_size and "
+                           "enable_cuda_graph size or tune its inference kernels: no effect"),
     "tensor_parallel": _off(f"tensor parallelism (AutoTP): {_PARALLEL}", honoured={}),
     "expert_parallel": _off(f"expert parallelism: {_PARALLEL}", honoured={}),
     "sequence_parallel_size": _off(f"sequence parallelism: {_PARALLEL}", honoured=1),

@@ -75,6 +75,9 @@ def ineffective_settings(config: Config, *, world_size: int, cuda: bool, initial
             out.append("Prefetch(keep_for_backward=True) has no effect with offloaded parameters: the backward "
                        "gathers again from the shards it updates (the fetched shards are kept instead); leave "
                        "keep_for_backward unset")
+    if config.gather_for_generate and config.stage in (1, 2):
+        out.append(f"Config.gather_for_generate=True has no effect at stage {config.stage}: every rank holds the "
+                   "whole model, and generate runs on it as it is; it applies at stage=3")
     if config.keep_host_memory and cuda:
         out.append("Config.keep_host_memory=True has no effect with CUDA: it keeps freed host memory for the "
                    "executor's host buffers, which live in device memory here (CUDA caches its own)")

@@ -141,6 +141,8 @@ class Engine(EngineSurface):
         self._user.engine = self
         if config.stage == 3:  # (what programs reach for in DeepSpeed's ZeRO-3 optimizer and modules)
             give_external_parameters(model)
+            if config.gather_for_generate:
+                self._user.gather_for_generate()
             if optimizer is not None:
                 optimizer.parameter_offload = ParameterOffload(self._user)  # ([Note: DeepSpeed's parameter_offload])
         self._random_ltd: Optional[RandomLTDRouting] = None  # random layer-token drop (docs/random_ltd.md)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Optional
@@ -58,6 +59,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from fxzero.config.notices import warn_ineffective
 from fxzero.ir.layout import ParamSlot, UnitLayout
 from fxzero.leaf_modules import mark_leaf_parameters
 from fxzero.runtime.agreement import agree
@@ -377,6 +379,29 @@ class UserModule:
             return
         self._hold(wanted, f"{type(module).__name__} ({fqn or 'the model'}) called directly under no_grad")
         self._direct[-1] = wanted
+
+    def gather_for_generate(self) -> None:
+        """[Note: generating from a ZeRO-3 model gathered once]
+        With `Config.gather_for_generate` (DeepSpeed's hybrid engine), the model's `generate` is
+        wrapped so that the whole model is gathered once, in the compute dtype, as
+        GatheredParameters gathers it (changes dropped), for the call: the forwards it runs, one per
+        token, then find every parameter whole and gather nothing ([Note: calling a ZeRO-3 model
+        directly]), and at its end the parameters are placeholders again. The values are those each
+        layer's own gather gives, so the tokens are too. A collective, as DeepSpeed's: every rank
+        generates together (Hugging Face's `synced_gpus=True`, as DeepSpeed-Chat passes). A model
+        without `generate` has nothing to gather for: said once."""
+        generate = getattr(self.model, "generate", None)
+        if not callable(generate):
+            warn_ineffective([f"Config.gather_for_generate=True has no effect: {type(self.model).__name__} has no "
+                              "generate method to gather the model for (a Hugging Face model's)"])
+            return
+
+        @functools.wraps(generate)
+        def generate_gathered(*args: Any, **kwargs: Any) -> Any:
+            with self.gathered(list(self.params), modifier_rank=None):
+                return generate(*args, **kwargs)
+
+        self.model.generate = generate_gathered
 
     def _direct_call_end(self, module: nn.Module, args: Any, output: Any) -> None:
         wanted = self._direct.pop() if self._direct else None

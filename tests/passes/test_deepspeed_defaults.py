@@ -79,8 +79,9 @@ def test_every_used_key_reads_through_the_defaults():
     # "data_efficiency" is read whole by fxzero/config/random_ltd.py (DeepSpeed's data_pipeline defaults);
     # "activation_checkpointing.cpu_checkpointing" by fxzero/config/deepspeed.py, with the default of
     # deepspeed.checkpointing's own config (False), which the runtime's table does not hold
+    # "hybrid_engine" by fxzero/config/deepspeed.py too (_HYBRID_ENGINE: DeepSpeed's HybridEngineConfig)
     assert without == ["optimizer.type", "scheduler", "torch_autocast.dtype",
-                       "activation_checkpointing.cpu_checkpointing", "data_efficiency"]
+                       "activation_checkpointing.cpu_checkpointing", "data_efficiency", "hybrid_engine"]
     assert SOURCE["optimizer"]["type"] is None
 
 

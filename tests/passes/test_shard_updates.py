@@ -279,7 +279,10 @@ def test_a_fused_or_foreach_client_optimizer_updates_as_torch_does(cls):
     for bit (torch's for-loop arithmetic differs from it in the last bits, so this pins which one
     ran); foreach=True is torch's for-loop arithmetic, which fxzero's own update equals."""
     torch.manual_seed(0)
-    p0, grads = torch.randn(1000), [torch.randn(1000) for _ in range(4)]
+    # (big enough, and gradients of several scales, for the two arithmetics to differ somewhere on any
+    # CPU: on one with AVX-512 FP16 they agree on 1000 elements of one scale)
+    n = 100_000
+    p0, grads = torch.randn(n), [torch.randn(n) * scale for scale in (1, 1e-3, 10, 1e-4)]
     options = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6)
 
     def torch_steps(**how):
@@ -296,10 +299,10 @@ def test_a_fused_or_foreach_client_optimizer_updates_as_torch_does(cls):
         policy, _ = _from_torch_optimizer(cls([nn.Parameter(p0.clone())], **options, **how))
         assert policy.fused is ("fused" in how)
         param = p0.clone()
-        states = [torch.zeros(1000) for _ in policy.states]
+        states = [torch.zeros(n) for _ in policy.states]
         groups = [policy.defaults()]
         for step, g in enumerate(grads, start=1):  # two ranges of one shard, cut mid-parameter
-            optim_step(policy, param, g.clone(), states, step, groups, [(0, 337, 0), (337, 1000, 0)])
+            optim_step(policy, param, g.clone(), states, step, groups, [(0, 33_701, 0), (33_701, n, 0)])
         assert torch.equal(param, want), how
 
 
