@@ -93,6 +93,18 @@ for _name, _extra, _saves in (("stage2", ["--actor_zero_stage", "2", "--critic_z
         "script": "DeepSpeed-Chat/training/step3_rlhf_finetuning/main.py", "shims": "dschat", "nproc": 2,
         "launcher": "deepspeed", "args": [*_RLHF, *_extra],
         "saves": tuple(f"out/{model}/pytorch_model.bin" for model in _saves)}
+_LORA_RLHF = ["--actor_lora_dim", "8", "--critic_lora_dim", "8", "--only_optimize_lora", "--actor_lora_learning_rate",
+              "1e-3", "--critic_lora_learning_rate", "1e-3", "--actor_gradient_checkpointing",
+              "--critic_gradient_checkpointing", "--offload_reference_model"]
+"""run_1.3b_lora.sh's step 3, scaled down: LoRA on both models (only the adapters trained), gradient
+checkpointing on both, the reference model's parameters offloaded (a ZeRO-3 engine without optimizer)."""
+RUNS["dschat-rlhf-actor-stage3-lora-bf16-2"] = {
+    **RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"],
+    "args": [*RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"]["args"], *_LORA_RLHF]}
+RUNS["dschat-rlhf-actor-stage3-lora-hybrid-bf16-2"] = {
+    **RUNS["dschat-rlhf-actor-stage3-lora-bf16-2"], "args": [*RUNS["dschat-rlhf-actor-stage3-lora-bf16-2"]["args"],
+                                                            "--enable_hybrid_engine"],
+    "compared_with": "dschat-rlhf-actor-stage3-lora-bf16-2"}
 RUNS["dschat-rlhf-actor-stage3-ema-hybrid-bf16-2"] = {
     **RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"], "args": [*RUNS["dschat-rlhf-actor-stage3-ema-bf16-2"]["args"],
                                                            "--enable_hybrid_engine"],

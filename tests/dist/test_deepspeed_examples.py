@@ -122,7 +122,8 @@ def _compare_saved(name: str, got: dict[str, list]) -> None:
 
 
 @pytest.mark.parametrize("name", ["dschat-sft-stage3-lora-bf16-2", "dschat-reward-stage2-bf16-2",
-                                  "dschat-rlhf-actor-stage3-ema-hybrid-bf16-2"])
+                                  "dschat-rlhf-actor-stage3-ema-hybrid-bf16-2",
+                                  "dschat-rlhf-actor-stage3-lora-hybrid-bf16-2"])
 def test_deepspeed_chat_unchanged_trains_and_saves_the_models_deepspeed_does(name, tmp_path):
     """DeepSpeed-Chat's three steps on 2 ranks, their scripts unchanged: step 1 (supervised
     fine-tuning; here at ZeRO-3 with LoRA on the decoder layers, only the adapters trained, gradient
@@ -132,7 +133,8 @@ def test_deepspeed_chat_unchanged_trains_and_saves_the_models_deepspeed_does(nam
     EMA copy as ZeRO-3 engines without an optimizer, the critic and the reward model at ZeRO-2 and 0,
     five engines in one process; with its --enable_hybrid_engine, which fxzero reads as
     Config.gather_for_generate and DeepSpeed cannot run on its CPU accelerator, against DeepSpeed's
-    run without it: the same tokens are generated either way). Rank 0's losses (step 3: the actor's and the critic's, in turn)
+    run without it: the same tokens are generated either way; and as its run_1.3b_lora.sh, with LoRA
+    on both models, gradient checkpointing on both and the reference model offloaded). Rank 0's losses (step 3: the actor's and the critic's, in turn)
     within the bf16 tolerance of DeepSpeed's, and the models each saves at its end (at ZeRO-3
     through its save_zero_three_model, which gathers every parameter with GatheredParameters; LoRA
     fused back into the linear layers first) those DeepSpeed's run saved, tensor by tensor."""
