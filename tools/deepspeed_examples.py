@@ -72,6 +72,12 @@ for _name, _script, _extra in (("sft-stage2", _SFT, ["--zero_stage", "2"]),
     # being fp32 beside the bf16 model, "assert len(set(t.dtype for t in tensors)) == 1")
     RUNS[f"dschat-{_name}-bf16-2"] = {"script": _script, "shims": "dschat", "nproc": 2, "launcher": "deepspeed",
                                       "args": [*_DSCHAT, *_extra], "saves": ("out/pytorch_model.bin",)}
+for _stage in (2, 3):  # (step times at OPT-125m's size: tools/deepspeed_examples.py only, not the test's)
+    _args = [a if a != "{opt}" else "{opt125m}" for a in _DSCHAT]
+    _args[_args.index("--max_seq_len") + 1] = "256"
+    RUNS[f"dschat-sft-opt125m-stage{_stage}-bf16-2"] = {
+        "script": _SFT, "shims": "dschat", "nproc": 2, "launcher": "deepspeed",
+        "args": [*_args, "--zero_stage", str(_stage), "--print_loss"], "env": {"FXZERO_RM_STATIC_TRAIN": "400"}}
 _RLHF = ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--actor_model_name_or_path", "{opt}",
          "--critic_model_name_or_path", "{critic}", "--num_padding_at_beginning", "1",
          "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
@@ -131,6 +137,8 @@ def launch(system: str, run: dict, workdir: str, python: str, port: int) -> dict
     script = os.path.join(EXAMPLES, run["script"])
     made = {"tokenizer": lambda: make_tokenizer(os.path.join(tempfile.gettempdir(), "fxzero-roberta-shaped-tokenizer")),
             "opt": lambda: make_opt_tiny(opt_tiny.directory_for("opt", tempfile.gettempdir())),
+            "opt125m": lambda: make_opt_tiny(opt_tiny.directory_for("opt125m", tempfile.gettempdir()), width=768,
+                                             layers=12, heads=12, positions=2048),
             "critic": lambda: opt_tiny.make_opt_tiny_critic(opt_tiny.directory_for("critic", tempfile.gettempdir()),
                                                             make_opt_tiny(opt_tiny.directory_for("opt", tempfile.gettempdir())))}
     made = {key: make() for key, make in made.items() if any("{" + key + "}" in a for a in run["args"])}

@@ -30,8 +30,10 @@ def directory_for(kind: str, parent: str) -> str:
     return os.path.join(parent, f"fxzero-opt-tiny-{kind}-v{VERSION}")
 
 
-def make_opt_tiny(directory: str) -> str:
-    """Write the model and tokenizer into `directory` (once) and return it."""
+def make_opt_tiny(directory: str, *, width: int = 64, layers: int = 2, heads: int = 4, positions: int = 256) -> str:
+    """Write the model and tokenizer into `directory` (once) and return it (a bigger model with
+    `width`, `layers`, `heads`, `positions`: OPT-125m's are 768, 12, 12, 2048, its feed-forward
+    4 x width)."""
     if os.path.exists(os.path.join(directory, "model.safetensors")):
         return directory
     import torch
@@ -50,8 +52,9 @@ def make_opt_tiny(directory: str) -> str:
                                   pad_token="<pad>", unk_token="<unk>")
     tokenizer.save_pretrained(staging)
     torch.manual_seed(0)
-    config = OPTConfig(vocab_size=8 * ((len(tokenizer) + 7) // 8), hidden_size=64, word_embed_proj_dim=64,
-                       num_hidden_layers=2, ffn_dim=256, num_attention_heads=4, max_position_embeddings=256,
+    config = OPTConfig(vocab_size=8 * ((len(tokenizer) + 7) // 8), hidden_size=width, word_embed_proj_dim=width,
+                       num_hidden_layers=layers, ffn_dim=4 * width, num_attention_heads=heads,
+                       max_position_embeddings=positions,
                        pad_token_id=1, bos_token_id=2, eos_token_id=2)
     model = OPTForCausalLM(config)
     with torch.no_grad():  # (values bf16 holds exactly: see the module's docstring)
