@@ -62,12 +62,14 @@ _LORA = ["--lora_dim", "8", "--lora_module_name", "decoder.layers.", "--only_opt
          "1e-3", "--gradient_checkpointing", "--gradient_accumulation_steps", "2", "--compute_fp32_loss"]
 """run_1.3b_lora.sh's LoRA (only the adapters trained), with gradient checkpointing, accumulation, fp32 loss."""
 _SFT = "DeepSpeed-Chat/training/step1_supervised_finetuning/main.py"
+_DPO = "DeepSpeed-Chat/training/step2_dpo_finetuning/main.py"
 _REWARD = "DeepSpeed-Chat/training/step2_reward_model_finetuning/main.py"
 for _name, _script, _extra in (("sft-stage2", _SFT, ["--zero_stage", "2"]),
                                ("sft-stage3-lora", _SFT, ["--zero_stage", "3", *_LORA]),
                                ("sft-stage3-offload", _SFT, ["--zero_stage", "3", "--offload",
                                                              "--gradient_accumulation_steps", "2"]),
-                               ("reward-stage2", _REWARD, ["--zero_stage", "2"])):
+                               ("reward-stage2", _REWARD, ["--zero_stage", "2"]),
+                               ("dpo-stage3", _DPO, ["--zero_stage", "3"])):
     # (not the reward model at ZeRO-3: DeepSpeed 0.19.8 fails its initialize there, its value head
     # being fp32 beside the bf16 model, "assert len(set(t.dtype for t in tensors)) == 1")
     RUNS[f"dschat-{_name}-bf16-2"] = {"script": _script, "shims": "dschat", "nproc": 2, "launcher": "deepspeed",
