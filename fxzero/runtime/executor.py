@@ -48,6 +48,26 @@ from fxzero.schedule import ProgramSchedule
 __all__ = ["GatheredMemory", "GradientFlags", "ProgramRunner", "Timed", "Update"]
 
 
+def _binder(tree: Any) -> Callable[[dict], Any]:
+    """A function of the environment giving `tree` (an instruction's arguments) with each fx.Node
+    replaced by its value. The structure is walked once, when the instruction compiles; walking it
+    at every run (`pytree.tree_map`) cost about a tenth of a small model's step."""
+    if isinstance(tree, fx.Node):
+        name = tree.name
+        return lambda env: env[name]
+    if not any(isinstance(leaf, fx.Node) for leaf in pytree.tree_leaves(tree)):
+        return lambda env: tree
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):  # (not a namedtuple)
+        parts = [_binder(item) for item in tree]
+        if isinstance(tree, tuple):
+            return lambda env: tuple([part(env) for part in parts])
+        return lambda env: [part(env) for part in parts]
+    if isinstance(tree, dict):
+        items = [(key, _binder(value)) for key, value in tree.items()]
+        return lambda env: {key: part(env) for key, part in items}
+    return lambda env: pytree.tree_map(lambda a: env[a.name] if isinstance(a, fx.Node) else a, tree)
+
+
 class Timed(NamedTuple):
     """One executed instruction of a recorded timeline."""
 
@@ -206,14 +226,10 @@ class ProgramRunner:
     def _compute(self, ins: Instruction, node: fx.Node) -> Callable[[dict], Any]:
         if ins.buffer == "flat_grad":
             return self._flatten_grads(node)
-        target, args_in, kwargs_in = node.target, node.args, node.kwargs
+        target, args_of, kwargs_of = node.target, _binder(tuple(node.args)), _binder(dict(node.kwargs))
 
         def compute(env: dict) -> Any:
-            def get(a):
-                return env[a.name] if isinstance(a, fx.Node) else a
-
-            args, kwargs = pytree.tree_map(get, (args_in, kwargs_in))
-            return target(*args, **kwargs)
+            return target(*args_of(env), **kwargs_of(env))
 
         return compute
 
