@@ -175,8 +175,12 @@ def train_command(ctx, model, ranks, steps, batch, stage, lr, config_path, input
             order = {"": 0, "timeout": 1, "peer_gone": 2}
             first = min(errors, key=lambda e: (order.get(e.get("collective", ""), 0), e["rank"]))
             raise CLIError(f"training failed on rank {first['rank']}: {first['message']}")
-        tail = [line.strip() for line in stderr_lines if line.strip()]
-        raise CLIError(f"torchrun exited with code {rc}: {tail[-1] if tail else 'no output'}")
+        # No rank said why (it died outside its error handling: a signal, an abort at exit): the last
+        # lines torchrun and the ranks wrote, without its separator rules, name which rank and how.
+        tail = [line.rstrip() for line in stderr_lines if line.strip() and line.strip().strip("=-") != ""]
+        said = "\n  ".join(tail[-12:]) if tail else "no output"
+        raise CLIError(f"torchrun exited with code {rc}{'' if done is None else ' after the run finished'}; "
+                       f"its last lines:\n  {said}")
     click.echo(f"wrote {done['out']}/ (the artifacts of the program that ran, run.json, and timeline.json: "
                "when each instruction of the last step ran, per rank)")
     click.echo(f"next: fxzero schedule {done['out']} --trace {done['out']}/trace.json")
