@@ -66,6 +66,19 @@ def test_every_deepspeed_name_is_the_fxzero_object_it_says():
     assert "deepspeed.runtime.zero.partition_parameters" in proc.stdout  # (what it has, named)
 
 
+def test_deepspeeds_runtime_modules_are_attributes_after_a_plain_import():
+    """`import deepspeed` alone, then `deepspeed.runtime.lr_schedules...` (accelerate's prepare reads
+    VALID_LR_SCHEDULES so): DeepSpeed's import has loaded them; fxzero's gives them on access."""
+    code = ("from fxzero.deepspeed_alias import install\ninstall()\nimport deepspeed, sys\n"
+            "assert 'fxzero.runtime.lr_schedules' not in sys.modules\n"
+            "print(deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES)\n"
+            "assert deepspeed.runtime.engine.DeepSpeedEngine is deepspeed.Engine\n"
+            "try:\n    deepspeed.runtime.no_such_module\nexcept AttributeError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "'WarmupLR'" in proc.stdout and "has no attribute 'no_such_module'" in proc.stdout
+
+
 @pytest.mark.parametrize("name, says", [("init_inference", "DeepSpeed-Inference"),
                                         ("DeepSpeedHybridEngine", "hybrid engine"),
                                         ("PipelineEngine", "pipeline parallelism"),
