@@ -58,6 +58,10 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
     new_buffers = sig.new_buffer_results(results, n_grads)
 
     grad_shards = []
+    # (a unit none of whose parameters gets a gradient, `present` empty below, still has a flat
+    # gradient of zeros, typed from the graph's fake mode like the others: passes after this one
+    # read its dtype, offload_grads to cast it to the master's)
+    any_fake = next((n for n in graph.nodes if hasattr(n.meta.get("val"), "fake_mode")), None)
     for layout in [lay for lay in ctx.layouts if lay.trainable]:
         # (a tile's gradient is its own: [Note: tiling] in `passes/tile.py`)
         grads = [grad_of[s.fqn] if s.param_shape is None else ctx.outputs["tile_grads"][s.fqn, s.start]
@@ -79,7 +83,7 @@ def insert_reduce_scatter_pass(gm: fx.GraphModule, ctx: PassContext, *, keep_ful
             done = graph.call_function(OPS["wait"], (start,))
         grad_dtype = next((g.meta["val"].dtype for g in present if "val" in g.meta), flat_dtype)
         tag(flat, kind="flatten_grads", unit=layout.name, phase=BACKWARD, cast=grad_dtype != flat_dtype)
-        like = present[0] if present else None
+        like = present[0] if present else any_fake
         flat_val, shard_val = _fake(like, layout.padded_numel, flat_dtype), _fake(like, layout.shard_numel, flat_dtype)
         if flat_val is not None:
             flat.meta["val"] = flat_val

@@ -176,3 +176,27 @@ def test_memory_report_counts_device_and_host_bytes_apart():
     report = engine.memory_report()
     assert report["host_bytes"] == 0
     assert report["device_bytes"] == report["model_states"] + report["buffers"] > 0
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_unit_with_no_gradient_trains_with_bf16_gradients_on_a_tier(stage):
+    """A unit none of whose parameters gets a gradient (UnusedNet's root) still has a flat
+    gradient of zeros; with bf16 gradients reduced in bf16 and the optimizer on the cpu tier, it is
+    written to the tier in fp32 like every unit's. It was written in bf16, untyped, and the step's
+    fp32 read of it failed (DeepSpeed's test_ignore_unused_parameters: ZeRO-2, cpu_offload, bf16).
+    The run equals the same one with everything on the device, bit for bit."""
+    full = {}
+    for tier in (fxzero.Device(), fxzero.Cpu()):
+        mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        config = fxzero.Config(stage=stage, optimizer=OPTIM, mixed_precision=mp, offload=fxzero.Offload(optimizer=tier))
+        _, state = _reference("unused")
+        engine = fxzero.compile(build("unused"), config, state_dict=state)
+        for step in range(STEPS):
+            engine.backward(_loss(engine(real_input("unused", seed=100 + step))))
+            engine.step()
+        full[type(tier).__name__] = engine.full_state_dict()
+    on_device, on_cpu = full["Device"], full["Cpu"]
+    assert list(on_device) == list(on_cpu)
+    for key in on_device:
+        assert torch.equal(on_device[key], on_cpu[key]), key
+    assert torch.equal(on_cpu["unused"], _reference("unused")[1]["unused"])
