@@ -289,7 +289,19 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, *, load_mo
     replacing = False
     try:
         path = resolve_checkpoint(load_dir, tag)
-        if path is not None:
+    except Exception as e:
+        failure = e
+        error = str(e) if str(e).startswith("[rank") else f"[rank {rank}] {type(e).__name__}: {e}"
+    # Every rank loads the same checkpoint, or none does: ranks that resolved different ones (a tag
+    # per rank, a `latest` rewritten between their reads) would train on mismatched states.
+    found = engine.comm.all_gather_object(None if error else (os.path.basename(path) if path else ""))
+    if error is None and len({n for n in found if n is not None}) > 1:
+        said = ", ".join(f"rank {r} {n or 'none (no latest file)'!r}" for r, n in enumerate(found) if n is not None)
+        error = (f"[rank {rank}] load_checkpoint: the ranks found different checkpoints to load ({said}); pass the same "
+                 "load_dir and tag on every rank; nothing was loaded")
+        failure = CheckpointError(error)
+    try:
+        if path is not None and error is None:
             reader = CheckpointReader(path)  # (every file's size and the small files' checksums checked)
             _check_version(reader)
             _check_model(reader, engine)

@@ -129,7 +129,13 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if engine.store is not None:
         engine.store.drain()
 
-    # 1. room, and the temporary directory's name
+    # 1. one tag (each rank's shard goes into the one checkpoint), room, the temporary directory's name
+    tags = _agree(comm, tag, "the start of the save", tag)
+    if len(set(tags)) > 1:
+        differ = ", ".join(f"rank {r} {t!r}" for r, t in enumerate(tags))
+        raise CheckpointError(f"[rank {rank}] save_checkpoint: the ranks passed different tags ({differ}); every rank "
+                              "saves its shard into the one checkpoint, so pass the same tag on every rank (or none: "
+                              f"global_step<N>); nothing was written (DeepSpeed's checkpoint.tag_validation)")
     status: dict[str, Any] = {}
     try:
         os.makedirs(save_dir, exist_ok=True)
