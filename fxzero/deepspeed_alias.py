@@ -58,6 +58,27 @@ NAMES: dict[str, dict[str, str]] = {
                                               "fxzero.zero:zero_wrapper_for_fp_tensor_constructor"},
     "runtime.zero.utils": {"ZeRORuntimeException": "fxzero.zero:ZeRORuntimeException"},
     "runtime.zero": {"unwrap_model_for_generation": "fxzero.zero:unwrap_model_for_generation"},
+    # DeepSpeed's config models and enums, read from fxzero's tables of its keys and defaults
+    # (TRL's and HF Trainer users' scripts pass ZeroStageEnum and LossScaler to torch's safe globals)
+    "runtime.zero.config": {name: f"fxzero.config.deepspeed_models:{name}" for name in (
+        "ZeroStageEnum", "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig", "OffloadDeviceEnum")},
+    "runtime.zero.offload_config": {name: f"fxzero.config.deepspeed_models:{name}" for name in (
+        "OffloadDeviceEnum", "OffloadStateTypeEnum", "DeepSpeedZeroOffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig")},
+    "runtime.zero.leaf_module_config": {name: f"fxzero.config.deepspeed_models:{name}" for name in (
+        "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES", "DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
+        "DeepSpeedZeroLeafModuleConfig")},
+    # (fxzero's one loss scaler class, static or dynamic by its policy)
+    "runtime.fp16.loss_scaler": {"LossScaler": "fxzero.runtime.loss_scale:LossScaler",
+                                 "DynamicLossScaler": "fxzero.runtime.loss_scale:LossScaler"},
+    # DeepSpeed's op builders: which ops run here (runtime/deepspeed_ops.py)
+    "ops": {"__compatible_ops__": "fxzero.runtime.deepspeed_ops:COMPATIBLE_OPS"},
+    "ops.op_builder": {name: f"fxzero.runtime.deepspeed_ops:{name}" for name in (
+        "OpBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "FusedLionBuilder",
+        "AsyncIOBuilder")},
+    "ops.aio": {"AsyncIOBuilder": "fxzero.runtime.deepspeed_ops:AsyncIOBuilder"},
+    "runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": "fxzero.runtime.deepspeed_ops:MIN_SWAPPABLE_BYTES"},
     "utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": "fxzero.utils:get_fp32_state_dict_from_zero_checkpoint",
         "load_state_dict_from_zero_checkpoint": "fxzero.utils:load_state_dict_from_zero_checkpoint"},

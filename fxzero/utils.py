@@ -9,6 +9,13 @@ Each `safe_get_*` gathers the one unit holding the parameter and returns a new t
 parameter's shape on every rank (None where DeepSpeed gives None: no gradient yet, no state
 yet); each `safe_set_*` writes a full value given on every rank into every rank's shard.
 
+[Note: frozen parameters have no training state]
+A parameter that does not require grad has no fp32 master, gradient or optimizer state under
+DeepSpeed (its optimizer never holds it), and DeepSpeed's `safe_get_*` give None for it;
+programs written for DeepSpeed (and its own tests) rely on that to skip frozen weights, so
+fxzero's give None too. Its value is read with `GatheredParameters`, set with
+`safe_set_full_fp32_param`.
+
 `set_z3_leaf_modules(model, [MoeBlock])` (Hugging Face's accelerate, LLaMA-Factory and axolotl
 call it for mixture-of-experts models at ZeRO-3) flags modules whose parameters are never split
 across units: `fxzero/leaf_modules.py`.
@@ -38,8 +45,9 @@ __all__ = ["RepeatingLoader", "clone_tensors_for_torch_save", "get_fp32_state_di
            "log_dist", "logger", "recursive_getattr", "recursive_setattr",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_grad",
-           "safe_set_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
+           "safe_update_full_grad_vectorized",
            # DeepSpeed's ZeRO-3 leaf modules (fxzero/leaf_modules.py)
            "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
@@ -138,9 +146,12 @@ def _gather_shards(binding: UserModule, fqn: str, shard_of: Callable[[Any], torc
     return values[fqn]
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
-    """The parameter's full fp32 (master) value on every rank. A collective."""
+def safe_get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The parameter's full fp32 (master) value on every rank; None for a frozen parameter
+    ([Note: frozen parameters have no training state]). A collective."""
     binding, fqn = _bound(param, "safe_get_full_fp32_param")
+    if not param.requires_grad:
+        return None
     values: dict[str, torch.Tensor] = {}
     for layout, flat in binding.gather([fqn], compute=False, what="safe_get_full_fp32_param"):
         for slot in layout.slots:
@@ -152,8 +163,10 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The parameter's full gradient, averaged over the ranks and unscaled (float16's loss scale
     divided out), as the next step() would apply it before clipping; None before a backward or
-    after step(). A collective."""
+    after step(), and for a frozen parameter. A collective."""
     binding, fqn = _bound(param, "safe_get_full_grad")
+    if not param.requires_grad:
+        return None
     state, engine = binding.state, binding.engine
     layout, _ = _slots(binding, fqn)[0]
     _refuse_unreduced(binding, "safe_get_full_grad")
@@ -189,8 +202,10 @@ def _optimizer_state(param: torch.Tensor, key: str, what: str) -> tuple[UserModu
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """The parameter's full optimizer state `optim_state_key` ("exp_avg", "exp_avg_sq", "sum", ...);
-    None before the first step. A collective."""
+    None before the first step, and for a frozen parameter. A collective."""
     binding, fqn, _ = _optimizer_state(param, optim_state_key, "safe_get_full_optimizer_state")
+    if not param.requires_grad:
+        return None
     state = binding.state
     layout, _ = _slots(binding, fqn)[0]
     if layout.name not in state.steps:
@@ -366,16 +381,21 @@ def _loss_scale(binding: UserModule) -> float:
 def safe_get_local_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
     """This rank's part of the parameter's fp32 master, flattened: the parameter's elements in this
     rank's shard, in order (DeepSpeed's fragment at ZeRO-1/2; fxzero shards units, not single
-    parameters, at every stage). None where this rank holds none of it. Not a collective."""
+    parameters, at every stage). None where this rank holds none of it, and for a frozen
+    parameter. Not a collective."""
     binding, fqn = _bound(param, "safe_get_local_fp32_param")
+    if not param.requires_grad:
+        return None
     return _local(binding, fqn, lambda layout: binding.state.local_shard(layout.name))
 
 
 def safe_get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """This rank's part of the parameter's reduced gradient (averaged over the ranks, unscaled), as
     `safe_get_local_fp32_param` lays it out; None before a backward, after step(), or where this
-    rank holds none of it. Not a collective."""
+    rank holds none of it, and for a frozen parameter. Not a collective."""
     binding, fqn = _bound(param, "safe_get_local_grad")
+    if not param.requires_grad:
+        return None
     if not _grads_ready(binding, fqn, "safe_get_local_grad"):
         return None
     local = _local(binding, fqn, lambda layout: _grad_shard(binding, layout))
@@ -384,14 +404,45 @@ def safe_get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's part of the parameter's optimizer state `optim_state_key`; None before the
-    first step, or where this rank holds none of it. Not a collective."""
+    first step, where this rank holds none of it, and for a frozen parameter. Not a collective."""
     binding, fqn, _ = _optimizer_state(param, optim_state_key, "safe_get_local_optimizer_state")
+    if not param.requires_grad:
+        return None
     state = binding.state
     if _slots(binding, fqn)[0][0].name not in state.steps:
         return None
     offloaded = state.store is not None and state.store.offloaded(optim_state_key)
     return _local(binding, fqn, lambda layout: state.store.get(optim_state_key, layout.name) if offloaded
                   else state.optimizer_states[layout.name][optim_state_key])
+
+
+def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace this rank's part of the parameter's fp32 master with `value` (laid out as
+    `safe_get_local_fp32_param` gives it), and its compute-dtype copy with it. Call it on every
+    rank, each with its own part (DeepSpeed's use: each rank sets its partition): where the
+    parameter's unit is held whole on each rank (every unit at ZeRO-1/2, those under the
+    persistence threshold at ZeRO-3) each rank's whole copy takes every rank's part, a collective;
+    elsewhere it is not one."""
+    binding, fqn = _bound(param, "safe_set_local_fp32_param")
+    pieces = {layout.name: (a, b) for layout, a, b in _local_pieces(binding, fqn)}
+    size = sum(b - a for a, b in pieces.values())
+    if value.numel() != size:
+        raise ValueError(f"safe_set_local_fp32_param: the value has {value.numel()} elements, this rank's part of the "
+                         f"parameter {size} (see safe_get_local_fp32_param)")
+    state, flat, at = binding.state, value.reshape(-1), 0
+    for layout, _ in _slots(binding, fqn):
+        shard = state.local_shard(layout.name).clone()
+        if layout.name in pieces:
+            a, b = pieces[layout.name]
+            shard[a:b].copy_(flat[at : at + b - a])
+            at += b - a
+        if layout.name in state.whole:
+            whole = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+            binding.comm.all_gather(whole, shard.contiguous(), count=False).wait()
+            state.install_unit(layout.name, lambda lo, hi, whole=whole: whole[lo:hi], binding.compute_dtype)
+        else:
+            state.install_unit(layout.name, lambda lo, hi, shard=shard: shard, binding.compute_dtype)
+    binding.bind(force=True)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
@@ -459,6 +510,23 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
         at += b - a
     _set_grad(binding, fqn, lambda layout, a, b: flat[a + offsets[layout.name] : b + offsets[layout.name]],
               "safe_set_local_grad")
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable[torch.Tensor],
+                                     update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Replace the full gradient of each parameter of `param_list` that requires grad with
+    `update_func(gradient, param)`, the gradient as `safe_get_full_grad` gives it (DeepSpeed's
+    vectorized form of a get and a set per parameter). Call it between engine.backward(loss) and
+    engine.step(), on every rank, with the same list: a collective."""
+    for param in param_list:
+        if not param.requires_grad:
+            continue
+        binding, fqn = _bound(param, "safe_update_full_grad_vectorized")
+        if not _grads_ready(binding, fqn, "safe_update_full_grad_vectorized"):
+            raise RuntimeError(f"[rank {binding.comm.rank}] safe_update_full_grad_vectorized: {fqn} has no gradient to "
+                               "update (before a backward, or after step()); call it between engine.backward(loss) "
+                               "and engine.step()")
+        safe_set_full_grad(param, update_func(safe_get_full_grad(param), param))
 
 
 def __getattr__(name: str) -> Any:

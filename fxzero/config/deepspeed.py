@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import functools
 import json
 import math
@@ -85,6 +86,8 @@ class _Reader:
                     f"{raw.split('.')[0]!r} as a nested object only and ignores this key, and so does fxzero; "
                     f"to set it, nest it: {{{raw.split('.')[0]!r}: {{{'.'.join(raw.split('.')[1:])!r}: ...}}}}")
                 continue
+            if isinstance(value, enum.Enum):  # (DeepSpeed's OffloadDeviceEnum.cpu, ZeroStageEnum.weights: str and int
+                value = value.value           # enums a program puts in its config dict; str() of one is its name)
             name = _ALIASES.get(raw, raw) if not prefix else raw
             path = FIELD_NAMES.get(prefix + name, prefix + name)  # DeepSpeed's field name for a "stage3_" key
             name = path[len(prefix):]

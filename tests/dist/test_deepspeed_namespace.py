@@ -21,8 +21,8 @@ import fxzero.comm as ds_comm
 from fxzero.accelerator import get_accelerator
 from fxzero.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                           safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                          safe_set_full_fp32_param, safe_set_full_grad, safe_set_local_grad,
-                          safe_set_local_optimizer_state)
+                          safe_set_full_fp32_param, safe_set_full_grad, safe_set_local_fp32_param, safe_set_local_grad,
+                          safe_set_local_optimizer_state, safe_update_full_grad_vectorized)
 from tests.dist.harness import ADAMW, run_ranks
 from tests.dist.reference import rank_slice
 
@@ -295,6 +295,11 @@ def _local_parts(rank: int, world_size: int, stage: int) -> dict:
     out["after_step"] = safe_get_local_grad(weight)
     safe_set_local_optimizer_state(weight, torch.full_like(out["local_exp_avg"], float(rank + 1)), "exp_avg")
     out["set_exp_avg"] = safe_get_full_optimizer_state(weight, "exp_avg")
+    # (ZeRO-2 holds the unit whole on every rank: each rank's copy takes every rank's part)
+    safe_set_local_fp32_param(weight, torch.full_like(safe_get_local_fp32_param(weight), float(rank + 1)))
+    out["set_local_fp32"] = safe_get_full_fp32_param(weight)
+    with fxzero.zero.GatheredParameters([weight]):
+        out["set_local_computes_with"] = weight.detach().clone()
     return out
 
 
@@ -313,3 +318,36 @@ def test_each_ranks_local_part_and_the_gradients_a_script_sets(stage):
         # AdamW's first moment after one step is (1 - beta1) times the gradient it applied
         torch.testing.assert_close(r["exp_avg"], want * (1 - ADAMW["betas"][0]))
         assert torch.equal(r["set_exp_avg"], want)  # (each rank's part written: rank + 1)
+        assert torch.equal(r["set_local_fp32"], want) and torch.equal(r["set_local_computes_with"], want)
+
+
+def _frozen_and_vectorized(rank: int, world_size: int, stage: int) -> dict:
+    """DeepSpeed's safe_get_* of a frozen parameter, and safe_update_full_grad_vectorized."""
+    torch.manual_seed(3)
+    model = Net()
+    model.layers[0].weight.requires_grad_(False)
+    ds = {**DS, "zero_optimization": {**DS["zero_optimization"], "stage": stage}}
+    engine, _, _, _ = fxzero.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    x, y = _batches()[0]
+    engine.backward(F.mse_loss(engine(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size)))
+    frozen = model.layers[0].weight
+    out = {"frozen": [safe_get_full_fp32_param(frozen), safe_get_full_grad(frozen), safe_get_local_fp32_param(frozen),
+                      safe_get_local_grad(frozen)]}
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: safe_get_full_grad(p) for n, p in trained.items()}
+    seen = []
+    safe_update_full_grad_vectorized(list(model.parameters()), lambda grad, param: seen.append(param) or grad * 2 + 1)
+    out["updated"] = {n: (safe_get_full_grad(p), before[n] * 2 + 1) for n, p in trained.items()}
+    out["called_for"] = [id(p) for p in seen] == [id(p) for p in trained.values()]
+    engine.step()
+    out["frozen"] += [safe_get_full_optimizer_state(frozen, "exp_avg"), safe_get_local_optimizer_state(frozen, "exp_avg")]
+    return out
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_frozen_parameter_has_no_training_state_and_grads_update_in_one_call(stage):
+    for r in run_ranks(_frozen_and_vectorized, 2, stage, timeout_s=240):
+        assert r["frozen"] == [None] * 6  # (as DeepSpeed's: its optimizer never holds a frozen parameter)
+        assert r["called_for"]  # (each parameter that requires grad, once, in order)
+        for name, (got, want) in r["updated"].items():
+            assert torch.equal(got, want), name

@@ -365,3 +365,38 @@ def test_optimizer_types_read_as_deepspeed_builds_them(ds, want):
     """DeepSpeed's own types (Adam with amsgrad or without bias correction, Lion at FusedLion's
     defaults) and torch.optim classes named exactly (their defaults torch's)."""
     assert Config.from_deepspeed(ds).optimizer == want
+
+
+def test_deepspeeds_enums_as_config_values_read_as_their_values():
+    """Programs put DeepSpeed's enums in their config dicts (`OffloadDeviceEnum.cpu`, as
+    DeepSpeed's tests and its offload_states example do): a str enum's str() is its name, which
+    was read as the device "offloaddeviceenum.cpu" and refused."""
+    from fxzero.config.deepspeed_models import OffloadDeviceEnum, ZeroStageEnum
+
+    fields = read_deepspeed({"zero_optimization": {"stage": ZeroStageEnum.weights,
+                                                   "offload_optimizer": {"device": OffloadDeviceEnum.cpu},
+                                                   "offload_param": {"device": OffloadDeviceEnum.none}}}).fields
+    assert fields["stage"] == 3 and type(fields["stage"]) is int
+    assert fields["offload"].optimizer == Cpu(pin_memory=True) and fields["offload"].params.tier == "device"
+
+
+def test_deepspeeds_zero_config_model_reads_a_section_as_deepspeed_does():
+    """`deepspeed.runtime.zero.config.DeepSpeedZeroConfig` (DeepSpeed's own test_zero_config.py runs
+    unchanged in tests/dist/test_deepspeed_unit_runtime.py); here, what it refuses."""
+    from fxzero.config.deepspeed_models import DeepSpeedZeroConfig, OffloadDeviceEnum, ZeroStageEnum
+
+    config = DeepSpeedZeroConfig(**CHAPTER["zero_optimization"])
+    assert config.stage is ZeroStageEnum.weights and config.prefetch_bucket_size == 50_000_000
+    assert config.offload_optimizer.device is OffloadDeviceEnum.cpu and config.offload_param is None
+    assert config.reduce_bucket_size == 50_000_000 and type(config.reduce_bucket_size) is int
+    assert DeepSpeedZeroConfig().max_live_parameters == 1_000_000_000  # (DeepSpeed's default)
+    with pytest.raises(ValueError, match="'stage3_prefetch_bucket'.*did you mean 'prefetch_bucket_size'"):
+        DeepSpeedZeroConfig(stage3_prefetch_bucket=1)
+    with pytest.raises(ValueError, match="given twice"):
+        DeepSpeedZeroConfig(prefetch_bucket_size=1, stage3_prefetch_bucket_size=2)
+    with pytest.raises(ValueError, match="reduce_bucket_size must be an integer >= 0"):
+        DeepSpeedZeroConfig(reduce_bucket_size=-1)
+    with pytest.raises(ValueError, match='device must be "none", "cpu" or "nvme"'):
+        DeepSpeedZeroConfig(offload_param={"device": "gpu"})
+    with pytest.raises(AttributeError, match="read-only"):
+        config.stage = 2
