@@ -23,6 +23,10 @@ makes the device's choices itself:
 - A kernel only the CPU has that still reaches a GPU program is an error naming it
   (`check_no_cpu_kernels`), never a program that fails on the GPU.
 
+Kernels also take some operands only in some dtype combinations: a batch norm with bf16
+parameters beside fp32 running statistics (mixed precision) runs in fp32 as a whole, on every
+device ([Note: batch norm under mixed precision]).
+
 What this does not change: the `val` metadata of the graph's nodes stays fake CPU tensors (the
 passes read their sizes and dtypes only); `Schedule.device` says which device the program is for.
 A model's own `torch.autocast("cuda")` region is traced under CPU autocast with its dtype (the same
@@ -32,6 +36,7 @@ without CUDA torch itself disables a CUDA autocast region, and says so.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 import torch
@@ -124,12 +129,50 @@ def _sdpa_for_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                                              scale=scale)[0]
 
 
+_BATCH_NORM = inspect.signature(F.batch_norm)
+
+
+def _mixed_batch_norm(args: tuple, kwargs: dict) -> bool:
+    """Whether `F.batch_norm`'s input, weight or bias is in another dtype than its floating
+    running statistics ([Note: batch norm under mixed precision])."""
+    a = _BATCH_NORM.bind(*args, **kwargs).arguments
+    stats = a.get("running_mean")
+    return stats is not None and stats.is_floating_point() and any(
+        t is not None and t.dtype != stats.dtype for t in (a["input"], a.get("weight"), a.get("bias")))
+
+
+def _batch_norm_in_stats_dtype(args: tuple, kwargs: dict) -> torch.Tensor:
+    """`F.batch_norm`, computed in its running statistics' dtype where the input's or the weight's
+    differs, its output in the input's dtype.
+
+    [Note: batch norm under mixed precision]
+    Mixed precision casts a model's parameters to the compute dtype and keeps its buffers in their
+    own (fp32 running statistics, as FSDP's policies do). Neither the CPU's nor CUDA's batch-norm
+    kernels take a bf16 or fp16 weight beside fp32 statistics ("expected scalar type BFloat16 but
+    found Float"), and the traced forward (a decomposition, for its statistics' update) hands the
+    backward kernel statistics in the input's dtype, which its mixed-dtype form refuses. So such a
+    norm runs in fp32 as a whole, as autocast runs it: the input and the weight cast up (exactly),
+    the statistics updated in fp32, the output rounded once to the input's dtype (what the
+    kernels' own mixed-dtype forward computes), and the gradients flowing back through the casts
+    into each one's own dtype. A norm whose dtypes already agree is traced as it is
+    (`_mixed_batch_norm`)."""
+    bound = _BATCH_NORM.bind(*args, **kwargs)
+    a = bound.arguments
+    stats, out_dtype = a["running_mean"], a["input"].dtype
+    for name in ("input", "weight", "bias"):
+        if a.get(name) is not None and a[name].is_floating_point():
+            a[name] = a[name].to(stats.dtype)
+    return F.batch_norm(*bound.args, **bound.kwargs).to(out_dtype)
+
+
 _AUTOCAST_NOTED = False
 
 
 class TargetKernels(TorchFunctionMode):
     """During a trace for `device`, the calls whose kernel the device chooses are made as that
-    device would make them ([Note: tracing for a device]). On CPU it changes nothing."""
+    device would make them ([Note: tracing for a device]); on CPU that changes nothing. On every
+    device, a batch norm whose parameters' dtype is not its statistics' runs in the statistics'
+    dtype ([Note: batch norm under mixed precision])."""
 
     def __init__(self, device) -> None:
         super().__init__()
@@ -137,6 +180,8 @@ class TargetKernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.batch_norm and _mixed_batch_norm(args, kwargs):
+            return _batch_norm_in_stats_dtype(args, kwargs)
         if self.device.type == "cpu":
             return func(*args, **kwargs)
         if torch.is_autocast_enabled("cuda"):  # the model's torch.autocast("cuda") region, on CPU tensors
