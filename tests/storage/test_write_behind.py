@@ -86,3 +86,47 @@ def test_a_failed_write_is_raised_not_lost(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="disk failed writing param/u"):
             behind.drain()
         assert "param/u" in behind
+
+
+class _HeldTier:
+    """A tier whose writes finish when the test says so (each write's future, by key and order)."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self._future = concurrent.futures.Future
+        self.writes: list[tuple[str, object]] = []
+
+    def write(self, key, value):
+        from fxzero.runtime.storage.tier import Pending
+
+        future = self._future()
+        self.writes.append((key, future))
+        return Pending(future, value)
+
+
+def test_copies_and_spare_buffers_are_told_apart_by_identity_not_by_value():
+    """Two rewrites of keys in flight at once, of different sizes, the later finishing first:
+    reclaiming it removed it from the retired list by `==`, which compared the buffers element
+    by element ("The size of tensor a (40) must match the size of tensor b (27)": a second
+    engine's NVMe step in one process). Spare buffers are dropped by identity too."""
+    tier = _HeldTier()
+    behind = WriteBehind(tier, 8 * MB)
+    behind.write("exp_avg/a", torch.zeros(40))
+    behind.write("exp_avg/b", torch.zeros(27))
+    behind.write("exp_avg/a", torch.ones(40))  # the first copies retire, their writes in flight
+    behind.write("exp_avg/b", torch.ones(27))
+    for key, future in tier.writes:
+        if future is tier.writes[1][1] or key == "exp_avg/b":  # b's first write ends first
+            future.set_result(None)
+    behind.reclaim()
+    assert [c.buffer.numel() for c in behind._retired] == [40]
+    for _, future in tier.writes:
+        if not future.done():
+            future.set_result(None)
+    behind.reclaim()
+    assert not behind._retired and not behind._copies and len(behind._spare) == 4
+    small = WriteBehind(tier, 30 * 4 + 10)  # a copy of 30 elements reuses that spare, the other must go
+    small._spare = [torch.zeros(30), torch.zeros(40)]
+    assert small._make_room(30, torch.float32)
+    assert [b.numel() for b in small._spare] == [30]

@@ -33,7 +33,7 @@ from fxzero.runtime.storage.tier import Pending, StorageTier
 __all__ = ["WriteBehind"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (compared by identity: `_retired.remove(copy)`; field-wise, it compared buffers)
 class _Copy:
     buffer: torch.Tensor
     write: Pending
@@ -123,7 +123,7 @@ class WriteBehind:
             for b in [b for b in self._spare if not (b.numel() == numel and b.dtype == dtype)]:
                 if fits():
                     return
-                self._spare.remove(b)
+                self._spare = [s for s in self._spare if s is not b]  # (by identity: == compares tensors)
 
         if nbytes > self.budget_bytes:
             return False
