@@ -79,6 +79,15 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple
         layout = ctx.layout(unit)
         if unit not in shard_of and unit not in in_forward or any(u is not out for u in r.users):
             continue  # a persistent unit (no fetched shard): updated by the step program
+        # The update runs while the next unit's backward computes, not in a burst at the end
+        # (prefetch may have sunk the reduce-scatter's wait there): its wait goes right before
+        # the next reduce-scatter is issued, if it is later than that. (Moved first: a shard read for
+        # the update alone is waited for right before it.)
+        later = scatters[scatters.index(r.args[0]) + 1 :]
+        if later:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if order[r] > order[later[0]]:
+                later[0].prepend(r)
         if unit not in shard_of:
             with graph.inserting_before(r):  # the fetch moves ahead below, with the optimizer states'
                 fetch_param = graph.call_function(OPS["fetch"], (unit, shard_state, layout.shard_numel,
@@ -92,14 +101,6 @@ def step_in_backward_pass(gm: fx.GraphModule, ctx: PassContext, *, states: tuple
         else:
             shard = shard_of[unit]
         fetch_param = shard.args[0]
-        # The update runs while the next unit's backward computes, not in a burst at the end
-        # (prefetch may have sunk the reduce-scatter's wait there): its wait goes right before
-        # the next reduce-scatter is issued, if it is later than that.
-        later = scatters[scatters.index(r.args[0]) + 1 :]
-        if later:
-            order = {n: i for i, n in enumerate(graph.nodes)}
-            if order[r] > order[later[0]]:
-                later[0].prepend(r)
         for free in [u for u in shard.users if is_kind(u, "free")]:
             graph.erase_node(free)  # the shard lives on until its update
         fetches = []  # the optimizer's states, and with mixed precision the fp32 master after them

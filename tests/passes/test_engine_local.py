@@ -242,3 +242,28 @@ def test_batch_norm_trains_under_bf16_mixed_precision_in_fp32_as_a_whole(stage):
     for k, m in masters.items():
         torch.testing.assert_close(full[k], m.detach(), rtol=1e-5, atol=1e-6, msg=k)
     assert not torch.equal(full["2.weight"], state["2.weight"])
+
+
+@pytest.mark.parametrize("name", ("unused", "frozen", "mlp"))
+@pytest.mark.parametrize("bf16", (False, True))
+def test_updating_in_the_backward_equals_updating_in_step(name, bf16):
+    """`Offload(step_in_backward=True)` at stage 3, bit for bit against the same placement updating
+    in step(). UnusedNet's first layer is not gathered by the backward (its input needs no
+    gradient), so its shard is read for the update alone; that read was inserted before its
+    reduce-scatter's wait, which then moved earlier: the update read a shard not yet read, and
+    the program was refused at compile ("used before it has been defined")."""
+    mp = fxzero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    full = []
+    for in_backward in (False, True):
+        offload = fxzero.Offload(params=fxzero.Cpu(), optimizer=fxzero.Cpu(), step_in_backward=in_backward)
+        _, state = _reference(name)
+        engine = fxzero.compile(build(name), fxzero.Config(stage=3, optimizer=OPTIM, mixed_precision=mp, offload=offload),
+                                state_dict=state)
+        for step in range(STEPS):
+            x = real_input(name, seed=100 + step)
+            engine.backward(_loss(engine(x.to(torch.bfloat16) if bf16 else x)))
+            engine.step()
+        full.append(engine.full_state_dict())
+    assert list(full[0]) == list(full[1])
+    for key in full[0]:
+        assert torch.equal(full[0][key], full[1][key]), key
