@@ -245,7 +245,6 @@ def tile_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, changed=False)
     sig = ctx.signature
     out = output_node(graph)
-    results = list(out.args[0])
     grads = dict(zip(sig.trainable_fqns, range(sig.num_outputs, sig.num_outputs + len(sig.trainable_fqns))))
     weights = {n.meta["fxzero"]["fqn"]: n for n in graph.nodes if n.op == "placeholder" and is_kind(n, "param")}
     count = 0
@@ -262,6 +261,7 @@ def tile_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             else:
                 _tile_matmul(graph, op, position, transposed, pieces, rows)
         count += len(uses) * len(slots)
+        results = list(out.args[0])  # (read after the tiling: a tiled operator may be an output itself)
         if fqn in grads and isinstance(results[grads[fqn]], fx.Node):
             grad = results[grads[fqn]]
             tile_grads = _grad_tiles(_Builder(graph, grad.next, grad), grad, fqn, rows)
@@ -269,7 +269,7 @@ def tile_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             for s, g in zip(slots, tile_grads):
                 ctx.outputs.setdefault("tile_grads", {})[(fqn, s.start)] = g
             count += len(tile_grads)
-    out.args = (results,)
+        out.args = (results,)
     graph.eliminate_dead_code()
     for fqn in tiles:
         if not weights[fqn].users:

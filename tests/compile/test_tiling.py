@@ -283,3 +283,28 @@ def test_an_embedding_tiles_its_lookups_and_its_gradient_bit_for_bit():
     assert len(tiled_grads["0.weight"]) == 4
     assert torch.equal(torch.cat(tiled_grads["0.weight"]), grads["0.weight"])
     assert not grads["0.weight"][300].any()
+
+
+def test_a_tiled_operator_that_is_the_models_output_trains_as_untiled():
+    """A 2-D input makes the head's `addmm` itself the model's output (a 3-D one ends in a view):
+    the pass replaced it with its tiles' concatenation and then wrote back the output list it had
+    read before, naming the erased `addmm` ("used before it has been defined")."""
+    runs = []
+    for tiling in (None, fxzero.Tiling(max_bytes=MAX_BYTES)):
+        torch.manual_seed(0)
+        model = WideHead()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        engine = fxzero.compile(model, fxzero.Config(stage=3, tiling=tiling, optimizer=fxzero.AdamW(lr=1e-3)),
+                                state_dict=state)
+        losses = []
+        for step in range(3):
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(step))
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs.append((losses, engine.full_state_dict()))
+    (plain, plain_state), (tiled, tiled_state) = runs
+    assert tiled == plain  # (the forward's outputs are the same dot products: equal losses)
+    for key, want in plain_state.items():
+        torch.testing.assert_close(tiled_state[key], want, rtol=0, atol=1e-6, msg=key)
