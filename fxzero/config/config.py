@@ -113,6 +113,13 @@ class Config:
     DeepSpeed's default) or "sum" (DeepSpeed's `gradient_allreduce_op: "sum"`: world size times
     the average; each rank's backward is run with its output gradients times the world size
     before the averaging reduction, exact for a power-of-two world)."""
+    gradient_division: Literal["after", "before"] = "after"
+    """Where the average's division by the world size happens: "after" the sum (DDP, FSDP,
+    DeepSpeed at stages 0 and 3), or "before" it, each rank's gradient divided first (DeepSpeed's
+    ZeRO-1/2, whose reduce-scatter divides its bucket before reducing it: what `from_deepspeed`
+    sets there). The same average in fp32 and bf16 for a power-of-two world, where dividing by it
+    is exact; in float16 a sum can overflow after where it does not before, which is a skipped
+    step and a halved loss scale under one and not the other."""
     gradient_clipping: Optional[float] = None
     """Clip the gradient's global norm (over all ranks' shards) to this before each update, as
     torch.nn.utils.clip_grad_norm_ (DeepSpeed's gradient_clipping); None: no clipping."""
@@ -224,6 +231,8 @@ class Config:
         if self.gradient_accumulation not in ("sharded", "local"):
             raise ValueError(f"Config.gradient_accumulation must be \"sharded\" or \"local\", got "
                              f"{self.gradient_accumulation!r}")
+        if self.gradient_division not in ("after", "before"):
+            raise ValueError(f"Config.gradient_division must be \"after\" or \"before\", got {self.gradient_division!r}")
         if self.gradient_reduction not in ("mean", "sum"):
             raise ValueError(f"Config.gradient_reduction must be \"mean\" or \"sum\", got {self.gradient_reduction!r}")
         if self.nonfinite not in ("error", "skip"):

@@ -524,6 +524,15 @@ def _reduction(get: Any) -> str:
     return op
 
 
+def _division(get: Any) -> str:
+    """Where DeepSpeed divides the gradient sum by the world size: before the reduction at ZeRO-1/2
+    with `reduce_scatter` (stage_1_and_2's average_tensor divides its bucket first), after it at
+    stage 0 (the engine's all-reduce, postscale_gradients) and 3 (its reduce-scatter's postscale)
+    and at 1/2 without reduce_scatter (an all-reduce, postscaled)."""
+    stage, reduce_scatter = get("zero_optimization.stage"), get("zero_optimization.reduce_scatter")
+    return "before" if stage in (1, 2) and reduce_scatter else "after"
+
+
 def _given_stage(ds: dict[str, Any]) -> bool:
     return "stage" in (ds.get("zero_optimization") or {})
 
@@ -575,6 +584,7 @@ def read_deepspeed(ds: Union[dict[str, Any], str, os.PathLike]) -> DeepSpeedRead
         gradient_accumulation_steps=_int_or_none(get, "gradient_accumulation_steps"),
         gradient_clipping=float(clip) if clip else None,  # DeepSpeed: 0 is no clipping
         gradient_reduction=_reduction(get),
+        gradient_division=_division(get),
         steps_per_print=None if get("steps_per_print") == math.inf else _int_or_none(get, "steps_per_print"),
         lr_schedule=schedule_from_deepspeed(ds["scheduler"]) if ds.get("scheduler") else None,
         dataloader_drop_last=bool(get("dataloader_drop_last")),

@@ -195,7 +195,7 @@ KEYS: dict[str, Key] = {
     "data_types.keep_in_fp32_modules": _off("fxzero casts every floating parameter of a unit",
                                             honoured=("auto", None)),
     "prescale_gradients": _used("true: DeepSpeed divides each gradient by the world size before the sum, fxzero "
-                                "after it: the same average (in fp32, dividing by a power-of-two world before or "
+                                "after it at stages 0 and 3 (Config.gradient_division): the same average (in fp32, dividing by a power-of-two world before or "
                                 "after the sum rounds alike). "
                                 "Under fp16 with no communication_data_type fxzero then reduces in fp32, so the "
                                 "sum cannot overflow where DeepSpeed's divided one would not (said once)"),
@@ -217,8 +217,11 @@ KEYS: dict[str, Key] = {
                                      "where the key is missing) runs as ZeRO stage 1, said once: the same averaged "
                                      "gradients and the same update, with the optimizer states sharded"),
     "zero_optimization.contiguous_gradients": _none("fxzero's gradients are flat, contiguous per unit already"),
-    "zero_optimization.reduce_scatter": _none("fxzero chooses reduce-scatter or all-reduce per unit by its cost "
-                                              "model (Config.cost_model)"),
+    "zero_optimization.reduce_scatter": _used("where ZeRO-1/2 divide the gradient sum by the world size "
+                                              "(Config.gradient_division): true (DeepSpeed's default) divides each "
+                                              "rank's gradient before the sum, false after it (an all-reduce, "
+                                              "postscaled); whether a unit is reduce-scattered or all-reduced fxzero's "
+                                              "cost model chooses"),
     "zero_optimization.reduce_bucket_size": _none(_BUCKETS),
     "zero_optimization.allgather_partitions": _none("ZeRO-1/2 re-gather the updated parameters with all-gathers "
                                                     "always"),

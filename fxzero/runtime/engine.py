@@ -252,9 +252,11 @@ class Engine(EngineSurface):
         def runner(name: str) -> ProgramRunner:
             if self._stash is not None:
                 self._stash.reserve(f"{id(schedule)}/{name}", schedule.program(name).instructions)
-            return ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
+            made = ProgramRunner(schedule.program(name), programs[name].gm, self.comm, self._gathered,
                                  self.store, update, pool=self._pool, flags=self.control.flags,
                                  activations=self._stash)
+            made.divide_before = self.config.gradient_division == "before"
+            return made
 
         sequence = collective_sequence(schedule) + self._update_collectives(schedule)
         return Runners(compiled, runner("forward"), runner("backward"), runner("step"), sequence,

@@ -209,6 +209,9 @@ class ProgramRunner:
         ]
         self.drop_after = last_reads(program)
         self.accumulate_grads = False
+        self.divide_before = False
+        """Config.gradient_division == "before": each rank's gradient divided by the world size
+        before the reduce-scatter sums it."""
         self.unreduced: Optional[dict[str, torch.Tensor]] = None
         self.defer_reduction = False
         """Config(gradient_accumulation="local"): the full gradients kept since the last boundary
@@ -290,7 +293,8 @@ class ProgramRunner:
             n = flat.numel() // self.comm.world_size
             # A gradient shard written to a tier is written from an aligned buffer (O_DIRECT in place).
             out = aligned_empty(n, flat.dtype) if ins.aligned and flat.device.type == "cpu" else flat.new_empty(n)
-            pending = self.comm.reduce_scatter(out, flat, via_all_reduce=via_all_reduce)
+            pending = self.comm.reduce_scatter(out, flat, via_all_reduce=via_all_reduce,
+                                               divide_before=self.divide_before)
             if not ins.keep_full:
                 # The flat gradient goes back to the pool once the collective has read it.
                 finish_first = pending.finish

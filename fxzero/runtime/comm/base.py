@@ -104,15 +104,20 @@ class Comm:
         return Pending(work, out, keep_alive=(shard,), deadline=self._deadline(out))
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, *, count: bool = True,
-                       via_all_reduce: bool = False) -> Pending:
+                       via_all_reduce: bool = False, divide_before: bool = False) -> Pending:
         """Average `flat` over ranks; `out` receives this rank's slice.
 
         With `via_all_reduce`, `flat` itself is all-reduced in place and sliced: on backends
         without a native reduce-scatter (gloo) that can be the faster way; `flat` is clobbered.
+        With `divide_before`, each rank's `flat` is divided by the world size in place before the
+        sum (`Config.gradient_division`), else the sum is divided.
         """
         if count:
             self._count("reduce_scatter", flat)
         n = out.numel()
+        if divide_before:
+            flat.div_(self.world_size)
+        after = (lambda t: t) if divide_before else (lambda t: t.div_(self.world_size))
         if via_all_reduce:
             if count:
                 self.traffic["reduce_scatter"].via_all_reduce += 1
@@ -120,12 +125,12 @@ class Comm:
             mine = flat[self.rank * n : (self.rank + 1) * n]
 
             def finish() -> torch.Tensor:
-                return out.copy_(mine).div_(self.world_size)
+                return after(out.copy_(mine))
 
             # An all-reduce moves the buffer twice (reduce-scatter, then all-gather).
             return Pending(work, out, finish, (flat,), self._deadline(flat, passes=2))
         work = self._reduce_scatter(out, flat)
-        return Pending(work, out, lambda: out.div_(self.world_size), (flat,), self._deadline(flat))
+        return Pending(work, out, lambda: after(out), (flat,), self._deadline(flat))
 
     def all_reduce(self, flat: torch.Tensor, *, count: bool = True) -> Pending:
         """Sum `flat` over ranks, in place."""
