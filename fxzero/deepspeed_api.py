@@ -123,7 +123,7 @@ def _read_config(args: Any, config: Any, config_params: Any,
         # (Hugging Face's Trainer evaluating alone keeps a training config's, its steps set to 0).
         warn_ineffective(['the DeepSpeed config\'s "scheduler" section has no effect: no optimizer is configured '
                           '(no "optimizer" section, none passed to initialize), and DeepSpeed steps a schedule only '
-                          "with one; fxzero's default AdamW, if trained with, keeps a constant lr"])
+                          "with one (and neither trains without one)"])
         config = {k: v for k, v in config.items() if k != "scheduler"}
     cfg = Config.from_deepspeed(config)
     asked = (config.get("zero_optimization") or {}).get("stage", 0)
@@ -260,6 +260,14 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                             "optimizer you pass (StepLR(opt, 10)), or a callable taking the engine's optimizer "
                             "(lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10))")
     engine.lr_scheduler = scheduler
+    if asked_stage is not None and not names_optimizer and optimizer is None:
+        # (DeepSpeed builds no optimizer then, and its backward asserts "must provide optimizer during
+        # init in order to use backward"; training with fxzero's default AdamW would be a choice nobody made)
+        engine.without_optimizer = ('no optimizer was configured: the DeepSpeed config has no "optimizer" section '
+                                    "with a type and initialize was given none, so there is nothing to train with "
+                                    "(DeepSpeed refuses too); add one to the config (\"optimizer\": {\"type\": "
+                                    "\"AdamW\", \"params\": {\"lr\": ...}}) or pass optimizer= to initialize. "
+                                    "Forwards (evaluation) run without one")
     if asked_stage == 0:
         engine.deepspeed_stage = 0  # (run as stage 1: what zero_optimization_stage() reports, as DeepSpeed's)
     loader = None

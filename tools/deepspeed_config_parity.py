@@ -13,7 +13,9 @@ rest is trained as written. Prints one JSON line per config: both systems' per-s
 (rank 0's micro-batch) and learning rates, and the largest difference of each; a config one
 system refuses is reported with the reason. Configs with "auto" values (filled in by Hugging
 Face's Trainer, tested in tests/dist/test_hf_trainer.py) and those fxzero refuses for a feature
-it does not have (tests/passes/test_deepspeedexamples_configs.py lists them) are skipped.
+it does not have (tests/passes/test_deepspeedexamples_configs.py lists them) are skipped. With
+`--stages 1,2,3` each config is also trained at those ZeRO stages (most of DeepSpeedExamples'
+configs are stage 0).
 
 The same file is the training program: `--train CONFIG --out FILE` (what both launchers run).
 """
@@ -127,7 +129,8 @@ def launch(system: str, python: str, config: dict, workdir: str, steps: int) -> 
     if proc.returncode != 0:
         import re
 
-        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"\w(Error|Exception)\b", ln)]
+        lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+                 if re.search(r"\w(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
         return {"error": (lines[-1] if lines else (proc.stdout + proc.stderr)[-600:])[:600]}
     with open(out) as f:
         return json.load(f)
@@ -146,6 +149,8 @@ def main() -> int:
     parser.add_argument("--deepspeed-python")
     parser.add_argument("--fxzero-python", default=sys.executable)
     parser.add_argument("--configs", help="comma-separated file names (default: all)")
+    parser.add_argument("--stages", help="also train each config at these ZeRO stages (comma-separated; its "
+                        "zero_optimization.stage replaced), besides as committed")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.train:
@@ -159,10 +164,16 @@ def main() -> int:
     from fxzero.config import Config
 
     names = args.configs.split(",") if args.configs else sorted(p.name for p in CONFIGS.glob("*.json"))
+    stages = [None] + [int(s) for s in args.stages.split(",")] if args.stages else [None]
     results = []
-    for name in names:
+    for name, stage in [(n, s) for n in names for s in stages]:
         config = json.loads((CONFIGS / name).read_text())
         row: dict = {"config": name}
+        if stage is not None:
+            if (config.get("zero_optimization") or {}).get("stage", 0) == stage:
+                continue  # (as committed)
+            config = {**config, "zero_optimization": {**(config.get("zero_optimization") or {}), "stage": stage}}
+            row["stage"] = stage
         with tempfile.TemporaryDirectory() as workdir:
             adapted = adapt(config, workdir)
             if _has_auto(config):

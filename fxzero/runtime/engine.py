@@ -127,6 +127,10 @@ class Engine(EngineSurface):
         self.deepspeed_stage: Optional[int] = None
         """The stage a DeepSpeed config asked for where fxzero runs another (0 runs as 1), else None."""
         self._no_sync = False  # inside engine.no_sync(): backwards keep their gradients unreduced
+        self.without_optimizer: Optional[str] = None
+        """Why there is nothing to train with (a DeepSpeed config without an "optimizer" section,
+        and none passed to initialize): backward() and step() refuse, naming it, as DeepSpeed's do;
+        forwards (evaluation) run. None: the config's optimizer."""
         self._eager: set = set()  # program keys whose forward the trace cannot follow: run eagerly
         self._warned_eager = False
         self._eager_forward = False  # a forward ran eagerly since the last backward (on every rank alike)
@@ -534,6 +538,8 @@ class Engine(EngineSurface):
                 f"[rank {self.rank}] engine.backward expects a loss tensor computed from the "
                 "engine's outputs (it does not require grad: was it computed under no_grad?)"
             )
+        if self.without_optimizer is not None:
+            raise RuntimeError(f"[rank {self.rank}] engine.backward: {self.without_optimizer}")
         if retain_graph:
             raise ValueError(f"[rank {self.rank}] engine.backward(retain_graph=True): fxzero's backward program frees "
                              "each saved activation after its last use, so a second backward through the same "
@@ -608,6 +614,8 @@ class Engine(EngineSurface):
         With float16 loss scaling a step whose gradients overflowed on any rank is skipped on every
         rank (`skipped_steps`); a non-finite loss (bfloat16, fp32) is an error on every rank.
         """
+        if self.without_optimizer is not None:
+            raise RuntimeError(f"[rank {self.rank}] engine.step: {self.without_optimizer}")
         if self._no_sync:
             raise RuntimeError(f"[rank {self.rank}] step() inside engine.no_sync(): the gradients of the backwards "
                                "in it are not reduced yet; leave the block and run one more backward first")

@@ -220,3 +220,28 @@ def test_a_scheduler_without_an_optimizer_is_never_built_as_under_deepspeed():
     assert engine.lr_scheduler is None and "scheduler" not in engine.config.deepspeed_source
     with pytest.raises(ValueError, match=r"WarmupDecayLR.total_num_steps must be an int >= 1"):
         fxzero.initialize(model=_model(), config={**ds, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+
+
+def test_without_an_optimizer_forwards_run_and_training_is_refused_as_under_deepspeed():
+    """A DeepSpeed config without an "optimizer" section, and no optimizer passed: DeepSpeed builds
+    none, and its backward asserts "must provide optimizer during init in order to use backward".
+    fxzero trained with its own default AdamW instead, an optimizer nobody chose; now forwards
+    (evaluation) run and backward and step are refused, naming the fix. With an optimizer passed,
+    the same config trains."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    engine, *_ = fxzero.initialize(model=_model(), config=ds)
+    with torch.no_grad():
+        assert engine(x).shape == (4, 3)
+    loss = engine(x).square().mean()
+    with pytest.raises(RuntimeError, match=r'\[rank 0\] engine.backward: no optimizer was configured: the DeepSpeed '
+                                           r'config has no "optimizer" section'):
+        engine.backward(loss)
+    with pytest.raises(RuntimeError, match=r"\[rank 0\] engine.step: no optimizer was configured"):
+        engine.step()
+    model = _model()
+    engine, *_ = fxzero.initialize(model=model, config=ds, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = engine.full_state_dict()["0.weight"]
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    assert not torch.equal(engine.full_state_dict()["0.weight"], before)
