@@ -114,10 +114,9 @@ class Config:
     the average; each rank's backward is run with its output gradients times the world size
     before the averaging reduction, exact for a power-of-two world)."""
     gradient_division: Literal["after", "before"] = "after"
-    """Where the average's division by the world size happens: "after" the sum (DDP, FSDP,
-    DeepSpeed at stages 0 and 3), or "before" it, each rank's gradient divided first (DeepSpeed's
-    ZeRO-1/2, whose reduce-scatter divides its bucket before reducing it: what `from_deepspeed`
-    sets there). The same average in fp32 and bf16 for a power-of-two world, where dividing by it
+    """Where the average's division by the world size happens: "after" the sum (DDP, DeepSpeed's
+    stage 0), or "before" it, each rank's gradient divided first (DeepSpeed's ZeRO-1/2/3, whose
+    reduce-scatters divide their buffers before reducing them: what `from_deepspeed` sets there). The same average in fp32 and bf16 for a power-of-two world, where dividing by it
     is exact; in float16 a sum can overflow after where it does not before, which is a skipped
     step and a halved loss scale under one and not the other."""
     gradient_clipping: Optional[float] = None

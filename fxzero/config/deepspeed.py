@@ -526,11 +526,11 @@ def _reduction(get: Any) -> str:
 
 def _division(get: Any) -> str:
     """Where DeepSpeed divides the gradient sum by the world size: before the reduction at ZeRO-1/2
-    with `reduce_scatter` (stage_1_and_2's average_tensor divides its bucket first), after it at
-    stage 0 (the engine's all-reduce, postscale_gradients) and 3 (its reduce-scatter's postscale)
-    and at 1/2 without reduce_scatter (an all-reduce, postscaled)."""
+    with `reduce_scatter` (stage_1_and_2's average_tensor divides its bucket first) and at ZeRO-3
+    (reduce_scatter_coalesced divides its buffer first); after it at stage 0 (the engine's
+    all-reduce, postscale_gradients) and at 1/2 without reduce_scatter (an all-reduce, postscaled)."""
     stage, reduce_scatter = get("zero_optimization.stage"), get("zero_optimization.reduce_scatter")
-    return "before" if stage in (1, 2) and reduce_scatter else "after"
+    return "before" if stage == 3 or stage in (1, 2) and reduce_scatter else "after"
 
 
 def _given_stage(ds: dict[str, Any]) -> bool:

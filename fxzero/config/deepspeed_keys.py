@@ -194,9 +194,10 @@ KEYS: dict[str, Key] = {
     "data_types.buffer_dtype": _off("fxzero keeps buffers in the model's own dtype", honoured=None),
     "data_types.keep_in_fp32_modules": _off("fxzero casts every floating parameter of a unit",
                                             honoured=("auto", None)),
-    "prescale_gradients": _used("true: DeepSpeed divides each gradient by the world size before the sum, fxzero "
-                                "after it at stages 0 and 3 (Config.gradient_division): the same average (in fp32, dividing by a power-of-two world before or "
-                                "after the sum rounds alike). "
+    "prescale_gradients": _used("true: DeepSpeed's stage 0 divides each gradient by the world size before the "
+                                "sum, fxzero after it (Config.gradient_division; at stages 1-3 both divide before, "
+                                "as DeepSpeed's reduce-scatters do): the same average (in fp32, dividing by a "
+                                "power-of-two world before or after the sum rounds alike). "
                                 "Under fp16 with no communication_data_type fxzero then reduces in fp32, so the "
                                 "sum cannot overflow where DeepSpeed's divided one would not (said once)"),
     "gradient_predivide_factor": _used("f != 1: DeepSpeed divides by f before the sum and by world/f after, fxzero "

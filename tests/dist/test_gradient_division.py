@@ -1,11 +1,12 @@
 """Where the average's division by the world size happens (`Config.gradient_division`), 2 ranks.
 
-DeepSpeed's ZeRO-1/2 divide each rank's gradient by the world size before the reduce-scatter sums
-it (stage_1_and_2's `average_tensor`); its stage 0 and ZeRO-3 divide the sum. In fp32 and bf16 the
+DeepSpeed's ZeRO-1/2/3 divide each rank's gradient by the world size before the reduce-scatter
+sums it (stage_1_and_2's `average_tensor`, ZeRO-3's `reduce_scatter_coalesced`); its stage 0
+divides the sum. In fp32 and bf16 the
 two are the same average for a power-of-two world; in float16 a sum can overflow where the
 divided halves do not. Here each rank's gradient is 40000 (float16's largest is 65504): divided
 first, the average 40000 trains; summed first, 80000 overflows and the step is skipped. A
-DeepSpeed config at stage 2 divides first, as DeepSpeed does (fxzero divided after, and skipped
+DeepSpeed config at stage 2 or 3 divides first, as DeepSpeed does (fxzero divided after, and skipped
 steps DeepSpeed took: tools/deepspeed_config_parity.py, DeepSpeedExamples' imagenet fp16 ZeRO-1
 config, losses 1.6e-2 apart, now 5e-5).
 """
@@ -35,9 +36,10 @@ class Scale(nn.Module):
 
 def _train(rank: int, world_size: int, how: str) -> dict:
     model = Scale()
-    if how == "deepspeed":
+    if how.startswith("deepspeed"):
         config = fxzero.Config.from_deepspeed({
-            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": int(how[-1])},
             "fp16": {"enabled": True, "loss_scale": 1.0}, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
     else:
         config = fxzero.Config(stage=2, optimizer=fxzero.SGD(lr=LR), gradient_division=how, mixed_precision=fxzero.MixedPrecision(
@@ -49,7 +51,7 @@ def _train(rank: int, world_size: int, how: str) -> dict:
             "w": engine.full_state_dict()["w"]}
 
 
-@pytest.mark.parametrize("how", ["before", "after", "deepspeed"])
+@pytest.mark.parametrize("how", ["before", "after", "deepspeed-stage2", "deepspeed-stage3"])
 def test_a_float16_sum_overflows_only_when_divided_after(how):
     for r in run_ranks(_train, 2, how, timeout_s=240):
         if how == "after":

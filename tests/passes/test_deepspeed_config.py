@@ -403,14 +403,16 @@ def test_deepspeeds_zero_config_model_reads_a_section_as_deepspeed_does():
 
 
 def test_the_gradient_sum_is_divided_where_deepspeed_divides_it():
-    """DeepSpeed's ZeRO-1/2 reduce-scatter divides each rank's bucket by the world size before the
-    sum (stage_1_and_2's average_tensor); stage 0's all-reduce, ZeRO-1/2 without reduce_scatter
-    and ZeRO-3 divide the sum (tests/dist/test_gradient_division.py shows where it matters)."""
+    """DeepSpeed's reduce-scatters divide each rank's buffer by the world size before the sum
+    (ZeRO-1/2's average_tensor, ZeRO-3's reduce_scatter_coalesced); stage 0's all-reduce and
+    ZeRO-1/2 without reduce_scatter divide the sum (tests/dist/test_gradient_division.py shows
+    where it matters)."""
     def division(**zero):
         return read_deepspeed({"zero_optimization": zero}).fields["gradient_division"]
 
-    assert division(stage=1) == division(stage=2) == "before"
-    assert division(stage=0) == division(stage=3) == division() == "after"
+    assert division(stage=1) == division(stage=2) == division(stage=3) == "before"
+    assert division(stage=0) == division() == "after"
+    assert division(stage=3, reduce_scatter=False) == "before"  # (ZeRO-3 always reduce-scatters)
     assert division(stage=2, reduce_scatter=False) == "after"
     assert Config().gradient_division == "after"  # (DDP's and FSDP's)
     with pytest.raises(ValueError, match='gradient_division must be "after" or "before"'):
