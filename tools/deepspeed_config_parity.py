@@ -175,10 +175,10 @@ def main() -> int:
             config = {**config, "zero_optimization": {**(config.get("zero_optimization") or {}), "stage": stage}}
             row["stage"] = stage
         with tempfile.TemporaryDirectory() as workdir:
-            adapted = adapt(config, workdir)
             if _has_auto(config):
                 row["skipped"] = "\"auto\" values (a trainer fills them in)"
             else:
+                adapted = adapt(config, workdir)
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
