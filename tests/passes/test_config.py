@@ -128,7 +128,8 @@ def test_reads_a_json_file(tmp_path, as_path):
     assert cfg == Config(stage=3, optimizer=AdamW(lr=2e-4, betas=(0.7, 0.9), eps=1e-7, weight_decay=0.05),
                          persist_threshold=4096, prefetch=Prefetch(keep_for_backward=False),
                          offload=Offload(optimizer=Cpu(pin_memory=False)),
-                         gradient_clipping=1.0)  # DeepSpeed's defaults: clipping at 1.0, no log line
+                         gradient_clipping=1.0,  # DeepSpeed's defaults: clipping at 1.0, no log line
+                         gradient_division="before")  # (ZeRO-3's reduce-scatter divides first)
     assert Config.from_deepspeed(str(path)) == Config.from_deepspeed(ds)
 
 
