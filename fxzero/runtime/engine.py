@@ -336,6 +336,7 @@ class Engine(EngineSurface):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        self._user.writes.take()  # (the user's writes into the module since the engine last set it)
         leaves, spec = flatten_call(args, kwargs)
         if self._requires_grad.changed(self.rank):
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
@@ -621,6 +622,7 @@ class Engine(EngineSurface):
                                "in it are not reduced yet; leave the block and run one more backward first")
         if self._stash is not None:  # what a forward wrote that no backward read ([Note: activations on a tier, at run time])
             self._stash.end_step()
+        self._user.writes.take()
         self._user.release_held()  # (an eager forward at ZeRO-3 that no backward followed)
         if self._stepping is None:
             raise RuntimeError(f"[rank {self.rank}] step() before any forward/backward")

@@ -226,6 +226,7 @@ class EngineSurface:
         checkpoint loads with `load_module_strict=False`, which keeps the model's own values for
         them ([Note: a checkpoint without the frozen parameters] in `checkpoint/load.py`).
         See `fxzero/runtime/checkpoint/`."""
+        self._user.writes.take()
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, *, load_module_strict: bool = True,
@@ -237,6 +238,7 @@ class EngineSurface:
         A collective: every rank calls it. Nothing in the files runs as code: a `client_state`
         holding objects other than plain data needs `trust_client_state=True` (see
         docs/checkpoints.md)."""
+        self._user.writes.take(refuse_lost=False)  # (a replaced buffer carried first, which the load may replace)
         try:
             return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                               load_optimizer_states=load_optimizer_states,
@@ -251,6 +253,7 @@ class EngineSurface:
         """The model in its compute dtype as one file on rank 0 (DeepSpeed's call): gathered one
         unit at a time; ".safetensors" streams, any other name is one torch.save of the dict. A
         collective. Returns the path on rank 0, None elsewhere. See `checkpoint/export.py`."""
+        self._user.writes.take()
         return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -280,6 +283,7 @@ class EngineSurface:
 
         A collective: every rank must call it. Its traffic is not counted in comm_report().
         """
+        self._user.writes.take()
         return self.state.full_state_dict(self._model, self.comm)
 
     def memory_report(self) -> dict[str, Any]:

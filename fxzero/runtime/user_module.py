@@ -64,6 +64,7 @@ from fxzero.ir.layout import ParamSlot, UnitLayout
 from fxzero.leaf_modules import mark_leaf_parameters
 from fxzero.runtime.agreement import agree
 from fxzero.runtime.comm import Comm
+from fxzero.runtime.module_writes import ModuleWrites
 from fxzero.runtime.state import RankState
 
 __all__ = ["UserModule", "ZeroParamStatus", "binding_of"]
@@ -148,13 +149,14 @@ class UserModule:
                 self.units_of.setdefault(slot.fqn, []).append(layout.name)
         self._module_fqn = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
         buffer_first: dict[int, str] = {}
-        self._buffer_owners = [(owner, name, buffer_first.setdefault(id(b), fqn))
+        self.buffer_owners = [(owner, name, buffer_first.setdefault(id(b), fqn))
                                for fqn, b, owner, name in _named_buffers(model)]
         self._bound: dict[str, Optional[int]] = {}  # unit -> id of the storage its params view (None: placeholders)
         self._gathered: set[str] = set()  # FQNs GatheredParameters holds full right now
         self._held: list[str] = []  # FQNs gathered for a forward run eagerly ([Note: a forward run eagerly at ZeRO-3])
         self._outer: Optional[tuple[int, str, bool]] = None  # the outermost state_dict() call in progress
         self._warned_converted = False
+        self._pointed: dict[int, torch.Tensor] = {}  # buffer_owners index -> the engine's buffer it was pointed at
         for index, (fqn, p) in enumerate(self.params.items()):
             setattr(p, _BINDING, (self, fqn))
             if zero3:  # (available or not: bind() below sets ds_status from what the parameter holds)
@@ -179,6 +181,7 @@ class UserModule:
         self.call_hooks: list = []
         self._call_hook_functions = (before, after)
         self.register_call_hooks()
+        self.writes = ModuleWrites(self)  # ([Note: writes into the user's module])
         self.bind(force=True)
 
     def register_call_hooks(self) -> None:
@@ -231,8 +234,17 @@ class UserModule:
                 else:
                     dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
                     value = torch.empty(slot.full_shape, dtype=dtype, device="meta")
-                _set(self.params[slot.fqn], value)
+                self._put(slot.fqn, value)
         self.bind_buffers()
+
+    def _put(self, fqn: str, value: torch.Tensor) -> None:
+        """Make the parameter `fqn` hold `value`: the engine's doing, not a write of the user's."""
+        _set(self.params[fqn], value)
+        self.writes.seen(fqn)
+
+    def gathered_now(self, fqn: str) -> bool:
+        """Whether GatheredParameters (or a direct call) holds the parameter full right now."""
+        return fqn in self._gathered
 
     def _viewing(self, layout: UnitLayout, whole: torch.Tensor) -> bool:
         """Whether the unit's parameters still view its whole buffer: `model.to(dtype)`, `.half()`
@@ -252,12 +264,25 @@ class UserModule:
                 "dtype; to save in another dtype, convert after the last step (or use engine.save_16bit_model())",
                 stacklevel=4)
 
+    @torch.no_grad()
     def bind_buffers(self) -> None:
+        """Point every buffer at the engine's, which the programs read; a buffer the user replaced
+        since the last binding has its value carried into the engine's first ([Note: writes into
+        the user's module]). A buffer the engine replaced (a forward's new running statistics) is
+        simply pointed at."""
         buffers = self.state.buffers
-        for owner, name, fqn in self._buffer_owners:
-            value = buffers.get(fqn)
-            if value is not None and owner._buffers.get(name) is not value:
-                owner._buffers[name] = value
+        for index, (owner, name, fqn) in enumerate(self.buffer_owners):
+            value, held = buffers.get(fqn), owner._buffers.get(name)
+            if value is None or held is None:
+                continue
+            if held is not self._pointed.get(index, held) and not held.is_meta:  # (the user's, since)
+                if tuple(held.shape) != tuple(value.shape):
+                    raise ValueError(
+                        f"[rank {self.comm.rank}] the buffer {fqn!r} was replaced after compile by one of shape "
+                        f"{tuple(held.shape)}; the programs were compiled for {tuple(value.shape)}. Write a value "
+                        "of that shape (or in place), or build the engine after setting it")
+                value.copy_(held)
+            owner._buffers[name] = self._pointed[index] = value
 
     def placeholders(self) -> list[str]:
         """FQNs of the parameters with no value on this rank (sharded, not gathered)."""
@@ -293,6 +318,8 @@ class UserModule:
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._outer is None or prefix == "":  # (the outermost call; a stale one from an error is replaced)
             self._outer = (id(module), prefix, keep_vars)
+            if not keep_vars:
+                self.writes.take()
 
     def _state_dict_post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if self._outer is None or self._outer[:2] != (id(module), prefix):
@@ -416,7 +443,7 @@ class UserModule:
                 if slot.fqn in wanted:
                     value = slot.read_into(flat, tiles) if slot.param_shape is not None else \
                         flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    _set(self.params[slot.fqn], value)
+                    self._put(slot.fqn, value)
         self._gathered.update(wanted)
 
     def _release(self, wanted: list[str]) -> None:
@@ -424,7 +451,7 @@ class UserModule:
         for fqn in wanted:
             layout, slot = self.slot[fqn]
             dtype = self.compute_dtype if self.compute_dtype and layout.dtype.is_floating_point else layout.dtype
-            _set(self.params[fqn], torch.empty(slot.full_shape, dtype=dtype, device="meta"))
+            self._put(fqn, torch.empty(slot.full_shape, dtype=dtype, device="meta"))
 
     def hold_for_eager(self) -> None:
         """[Note: a forward run eagerly at ZeRO-3]
@@ -481,11 +508,11 @@ class UserModule:
                 flats[layout.name] = flat  # (the unit's other parameters, for the write-back)
             for slot in layout.slots:
                 if slot.fqn in fqns and slot.param_shape is not None:  # (a tiled parameter's tiles: assembled)
-                    _set(self.params[slot.fqn], slot.read_into(flat, tiles))
+                    self._put(slot.fqn, slot.read_into(flat, tiles))
                 elif slot.fqn in fqns:
                     # Each its own tensor, not a view of the unit's buffer: a value kept past the block
                     # (`state[name] = p.data.cpu()`, then torch.save) would keep, and save, the whole unit.
-                    _set(self.params[slot.fqn], flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
+                    self._put(slot.fqn, flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone())
         self._gathered.update(fqns)
         try:
             yield

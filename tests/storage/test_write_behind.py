@@ -130,3 +130,32 @@ def test_copies_and_spare_buffers_are_told_apart_by_identity_not_by_value():
     small._spare = [torch.zeros(30), torch.zeros(40)]
     assert small._make_room(30, torch.float32)
     assert [b.numel() for b in small._spare] == [30]
+
+
+def test_a_write_straight_to_the_tier_drops_the_keys_older_copy(tmp_path):
+    """A write over the budget goes to the tier directly: the key's copy of an earlier write (an
+    unread parameter shard, kept for the next read) would otherwise answer the next lookup with the
+    older value."""
+    with _tier(tmp_path) as tier:
+        behind = WriteBehind(tier, 3 * MB)
+        behind.write("param/u", torch.zeros(1000), keep_until_read=True)
+        behind.write("param/u", torch.ones(MB), keep_until_read=True)  # (4 MB: over the budget)
+        assert behind.lookup("param/u") is None
+        behind.drain()
+        assert torch.equal(tier.read("param/u").wait(), torch.ones(MB))
+
+
+def test_a_value_put_into_the_store_is_what_the_next_fetch_reads(tmp_path):
+    """OffloadStore.put (a loaded checkpoint, a value set by the state APIs, a loaded state dict)
+    writes the tier directly: before, the next forward's fetch read the write-behind copy of the
+    step's last write, the value from before the put."""
+    import fxzero
+    from fxzero.runtime.storage.offload_store import OffloadStore
+
+    store = OffloadStore(fxzero.Offload(params=fxzero.Nvme(path=str(tmp_path))), rank=0)
+    try:
+        store.write("param", "u", torch.zeros(1000)).wait()  # (a step's write: its copy kept until read)
+        store.put("param", "u", torch.full((1000,), 3.0))
+        assert torch.equal(store.fetch("param", "u", 1000, torch.float32).wait(), torch.full((1000,), 3.0))
+    finally:
+        store.close()

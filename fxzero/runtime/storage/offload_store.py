@@ -229,7 +229,11 @@ class OffloadStore:
     # -- moving --------------------------------------------------------------------------------
 
     def put(self, kind: str, unit: str, value: torch.Tensor) -> None:
-        """Store `value` now (blocking): initial parameters, written once at start-up."""
+        """Store `value` now (blocking): initial parameters, a loaded checkpoint's, a value set
+        through the state APIs. A write-behind copy of the key is dropped: a read would get it."""
+        behind = self._behind.get(self.offload.placement(kind))
+        if behind is not None:
+            behind.forget(self.key(kind, unit))
         self.tier(kind).write(self.key(kind, unit), value).wait()
 
     def fetch(self, kind: str, unit: str, numel: int, dtype: torch.dtype, pool=None) -> Pending:

@@ -66,6 +66,7 @@ class WriteBehind:
         """Write `value` under `key`; from a copy (returns done) if it fits, else straight to the tier."""
         self.reclaim()
         if not self._make_room(value.numel(), value.dtype):
+            self.forget(key)  # (else a read would get the copy of an older write)
             return self.tier.write(key, value)
         buffer = self._buffer(value.numel(), value.dtype)
         buffer.copy_(value.reshape(-1))
@@ -74,6 +75,13 @@ class WriteBehind:
             self._retired.append(old)  # the tier writes the key in order: the old write ends first
         self._copies[key] = _Copy(buffer, self.tier.write(key, buffer), keep_until_read)
         return Pending(None, value)
+
+    def forget(self, key: str) -> None:
+        """Drop `key`'s copy, which a write going to the tier directly makes stale (its own write,
+        started first, ends first: the tier writes a key in order)."""
+        old = self._copies.pop(key, None)
+        if old is not None:
+            self._retired.append(old)
 
     def __contains__(self, key: str) -> bool:
         return key in self._copies

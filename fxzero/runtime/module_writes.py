@@ -1,0 +1,162 @@
+"""Values the user writes into the module after compile reach what the engine trains.
+
+[Note: writes into the user's module]
+The user's parameters view what the engine holds ([Note: the user's module] in
+`fxzero/runtime/user_module.py`), but the engine trains its own storage, and three ways of
+writing a parameter after compile would otherwise miss it, silently:
+
+- under mixed precision a parameter views the compute-dtype copy: a write into it changed what
+  the next forward computed with, and the step then cast the fp32 master over it (DeepSpeed loses
+  such writes the same way, at its first step);
+- at ZeRO-3 a sharded parameter is a placeholder on the meta device: a write into it does
+  nothing (torch's `load_state_dict` only warns: "copying ... to a meta parameter ... is a no-op");
+- a tiled parameter is assembled from its tiles: a write reaches the assembled copy only.
+
+So:
+
+- `model.load_state_dict(sd)`, or any submodule's, writes the state dict's values themselves
+  into the engine: the fp32 masters exactly (a bf16 or fp32 file's values, as torch's copy into
+  an fp32 parameter would give them), the compute-dtype copies cast from them, on whatever tier
+  each unit lives, for every stage. Each rank writes its own shard from its own state dict, so no
+  rank communicates, and every rank must load the same values (as with torch, where a parameter
+  loaded on one rank only differs from the others'). `strict`, the missing and unexpected keys
+  and shape errors are torch's own; `assign=True` keeps the parameter objects (the engine's), as
+  it must. The optimizer states stay as they are, as torch's `load_state_dict` leaves them.
+- Any other in-place write through the parameter object (`nn.init.*_(p)`, `p.copy_(...)`,
+  `p.mul_(...)` under `torch.no_grad()`) bumps the parameter's version counter, which the engine
+  reads before each forward and step (`take`, cheap: one integer per parameter) and at the state
+  APIs. A written parameter holding a value goes to the master, element by element where it
+  differs from the master cast to the compute dtype (so the elements the write did not change
+  keep their fp32 precision; those it did hold exactly what was written, which under mixed
+  precision is a compute-dtype value). A written placeholder (ZeRO-3) held no value to write
+  into: an error names it and the ways that work (`load_state_dict`, `GatheredParameters` with
+  `modifier_rank`, `safe_set_full_fp32_param`). A write through `p.data` has a version counter
+  of its own and is not seen: at fp32 ZeRO-1/2 it is in the master anyway (the parameter views
+  it); elsewhere use one of the ways above.
+- A buffer the user replaces (`module.scale = torch.full(...)`, a non-persistent buffer assigned
+  again) has its value copied into the engine's buffer, which the programs read, and the module
+  points at the engine's again; a replacement of another shape is an error (the programs were
+  compiled for the old one). Before, the programs kept reading the old buffer, and the next
+  step's rebinding put it back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from fxzero.runtime.user_module import UserModule
+
+__all__ = ["ModuleWrites"]
+
+
+class ModuleWrites:
+    """Carries writes into the user's module into the engine ([Note: writes into the user's module])."""
+
+    def __init__(self, user: "UserModule") -> None:
+        self.user = user
+        self.versions: dict[str, int] = {}  # FQN -> the version counter as the engine last set it
+        self._loading: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (outermost module's id, values)
+        self._hooks = []
+        pre, post = (lambda *a: self._load_pre_hook(*a)), (lambda *a: self._load_post_hook(*a))
+        for module in user.model.modules():
+            self._hooks.append(module.register_load_state_dict_pre_hook(pre))
+            self._hooks.append(module.register_load_state_dict_post_hook(post))
+
+    def seen(self, fqn: str) -> None:
+        """The engine set this parameter: what it holds now is not a write of the user's."""
+        self.versions[fqn] = self.user.params[fqn]._version
+
+    # -- load_state_dict ---------------------------------------------------------------------
+
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                       missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        if self._loading is None or prefix == "":  # (the outermost call; a stale one from an error is replaced)
+            self._loading = (id(module), {})
+        user, values = self.user, self._loading[1]
+        for name, param in module._parameters.items():
+            key = prefix + name
+            bound = getattr(param, "_fxzero_binding", None)
+            if key not in state_dict or bound is None or bound[0] is not user or user.gathered_now(bound[1]):
+                continue  # (inside GatheredParameters torch writes the gathered value, which the block writes back)
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+                continue  # (torch reports it)
+            values[bound[1]] = value.detach()
+            state_dict[key] = param  # (torch copies the parameter onto itself, or with assign=True keeps it)
+
+    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if self._loading is None or self._loading[0] != id(module):
+            return  # an inner module: the outermost call installs everything once
+        values, self._loading = self._loading[1], None
+        if values:
+            self.install(values, keep_equal=False)
+
+    # -- in-place writes and replaced buffers --------------------------------------------------
+
+    @torch.no_grad()
+    def take(self, refuse_lost: bool = True) -> None:
+        """Carry the user's writes since the engine last set the parameters into the engine
+        (before a forward, a step, a state API). `refuse_lost=False` (before a checkpoint's load,
+        which replaces them): a write into a placeholder is forgotten, not an error."""
+        user = self.user
+        user.bind_buffers()  # (a replaced buffer's value into the engine's)
+        written = [fqn for fqn, p in user.params.items()
+                   if not user.gathered_now(fqn) and p._version != self.versions.get(fqn, p._version)]
+        if not written:
+            return
+        lost = [fqn for fqn in written if user.params[fqn].is_meta]
+        if lost:
+            for fqn in lost:  # (said once: the engine holds what it held before the write)
+                self.seen(fqn)
+            written = [fqn for fqn in written if fqn not in lost]
+        if lost and refuse_lost:
+            raise RuntimeError(
+                f"[rank {user.comm.rank}] {len(lost)} parameters were written in place after compile "
+                f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}), but at ZeRO-3 this rank holds no "
+                "value of them (meta placeholders): the write did nothing. Load values with model.load_state_dict(sd) "
+                "(fxzero writes them into the shards), set one with fxzero.utils.safe_set_full_fp32_param(p, value), "
+                "or write inside `with fxzero.zero.GatheredParameters(params, modifier_rank=0):`")
+        if written:
+            self.install({fqn: user.params[fqn].detach().clone() for fqn in written}, keep_equal=True)
+
+    @torch.no_grad()
+    def install(self, values: dict[str, torch.Tensor], keep_equal: bool) -> None:
+        """Write full parameter values (FQN -> tensor of its shape) into the units holding them:
+        this rank's master shard (a unit held whole: its whole buffer), the compute-dtype copy cast
+        from it, on their tier. `keep_equal`: an element whose value equals the master's cast to
+        the compute dtype keeps the master's (what a write through the compute-dtype view did not
+        change). Local: each rank writes from its own values."""
+        user = self.user
+        state, low_dtype = user.state, user.compute_dtype
+        for layout in state.layouts:
+            slots = [s for s in layout.slots if s.fqn in values]
+            if not slots:
+                continue
+            lo, hi = layout.shard_range(state.rank_of_shards)
+            if layout.name in state.whole:  # (its whole buffer in the master dtype: the rest from what is held)
+                base = 0
+                buf = state.whole_buffer(layout.name)
+                if buf is not None:
+                    buf = buf.clone()
+                else:  # (mixed precision: this rank's master shard and the compute-dtype copy elsewhere)
+                    buf = state.whole_buffer(layout.name, compute=True).to(layout.dtype)
+                    buf[lo:hi] = state.local_shard(layout.name)
+            else:
+                base, buf = lo, state.local_shard(layout.name).clone()
+            for s in slots:
+                a, b = max(base, s.offset), min(base + buf.numel(), s.offset + s.numel)
+                if a >= b:
+                    continue
+                new = values[s.fqn].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset]
+                new = new.to(device=buf.device, dtype=buf.dtype)
+                region = buf[a - base : b - base]
+                if keep_equal:
+                    cast = low_dtype if low_dtype is not None and layout.dtype.is_floating_point else layout.dtype
+                    new = torch.where(new.to(cast) == region.to(cast), region, new)
+                region.copy_(new)
+            state.install_unit(layout.name, lambda a, b, buf=buf, base=base: buf[a - base : b - base], low_dtype)
+        user.bind(force=True)
