@@ -108,6 +108,7 @@ class Engine(EngineSurface):
         self._last: Optional[Runners] = None
         self._stepping: Optional[Runners] = None  # the last program with a backward: what step() runs
         self.optimizer = optimizer
+        optimizer.attach(self)  # (its state_dict is this engine's shards: [Note: the optimizer's own state dict])
         self._group_of = group_of
         self._ranges: dict[tuple[str, frozenset], list] = {}  # (unit, gradless) -> its shard's group ranges
         self._unreduced: dict[str, torch.Tensor] = {}  # gradient_accumulation="local": full gradients kept

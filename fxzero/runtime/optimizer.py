@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from fxzero import _compat
+from fxzero.runtime.optimizer_state import load_sharded_state_dict, sharded_state_dict
 from fxzero.config import OPTIMIZERS, OptimizerPolicy
 from fxzero.config.notices import print_once
 
@@ -148,6 +149,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # the engine clears its gradient shards after each boundary step
+
+    def attach(self, engine: Any) -> None:
+        """The engine whose shards this optimizer's states are (a weak reference)."""
+        self._engine_ref = weakref.ref(engine)
+
+    def _engine(self, what: str) -> Any:
+        engine = self._engine_ref() if getattr(self, "_engine_ref", None) is not None else None
+        if engine is None:
+            raise RuntimeError(f"optimizer.{what}: this optimizer's states are an engine's shards, and it has none "
+                               "(built, or gone): call it on engine.optimizer")
+        return engine
+
+    def state_dict(self) -> dict[str, Any]:  # noqa: D401 - see [Note: the optimizer's own state dict]
+        """This rank's optimizer shards, the param groups and the loss scaler, as DeepSpeed's ZeRO
+        optimizers give theirs; no collective ([Note: the optimizer's own state dict])."""
+        return sharded_state_dict(self._engine("state_dict()"))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put back what `state_dict()` gave on this rank of a run of the same world size, model
+        and optimizer; anything else is refused naming the difference."""
+        load_sharded_state_dict(self._engine("load_state_dict()"), state_dict)
 
     def mark_stepped(self) -> None:
         """Called by the engine after its update: one optimizer step, as torch's schedulers count."""
