@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import warnings
 
@@ -63,6 +64,7 @@ from fxzero._compat import (
     upper_bound,
     where_fixed,
 )
+from fxzero.ir.hook_ops import hook_key
 from fxzero.module_state import StatefulForward, changed, restore, snapshot
 from fxzero.ir.shapes import InputShapes
 from fxzero.target_device import TargetKernels, check_no_cpu_kernels, retarget
@@ -335,6 +337,47 @@ def trace_joint(model: nn.Module, example_inputs: Sequence[Any], *, kwargs: Opti
         raise
 
 
+def gradient_hooks(params: Mapping[str, nn.Parameter], wanted: Collection[str]) -> dict[str, list]:
+    """[Note: gradient hooks on parameters]
+    A hook the user registered on a parameter (`p.register_hook(fn)`: a gradient mask that trains
+    only some rows of an embedding, gradient noise, a per-parameter clip) changes the gradient the
+    backward computes for it, before it is accumulated. The trace runs the forward on stand-ins
+    for the parameters, so the hooks registered on the parameters themselves never ran: the
+    gradients were the unhooked ones, without a word. Each is registered on its parameter's stand-in
+    in the joint trace as a call of `fxzero::grad_hook` (`fxzero/ir/hook_ops.py`), which
+    `autograd.grad` runs where torch's backward runs the hook: the backward program holds one node
+    per hook, on the gradient as computed, in the order registered, and at run time the node calls
+    the user's function on the real gradient (so a mask it closes over, Python, logging all run as
+    under torch; under mixed precision it sees the compute-dtype gradient, as under DeepSpeed's
+    cast model). The engine traces again when a parameter's hooks change (`hooks_signature`). A
+    parameter that requires no gradient gets none and its hooks do not run, as in torch.
+
+    Hooks that run after the gradient is accumulated into `.grad`
+    (`register_post_accumulate_grad_hook`, an optimizer stepping in the backward) have nothing to
+    run on: fxzero accumulates into its own shards, and `.grad` stays None. They are refused."""
+    post = sorted(f for f, p in params.items() if getattr(p, "_post_accumulate_grad_hooks", None))
+    if post:
+        raise ValueError(
+            f"parameters {post[:3]}{' ...' if len(post) > 3 else ''} have post-accumulate-grad hooks "
+            "(register_post_accumulate_grad_hook): fxzero accumulates gradients into its own shards and never into "
+            "p.grad, so they would never run. Remove them; to update in the backward use "
+            "fxzero.Offload(step_in_backward=True), to change a gradient use p.register_hook(fn)")
+    return {f: list(p._backward_hooks.values()) for f, p in params.items()
+            if f in wanted and getattr(p, "_backward_hooks", None)}
+
+
+def _run_hook(key: int, grad: torch.Tensor) -> torch.Tensor:
+    return torch.ops.fxzero.grad_hook(grad, key)
+
+
+def hooks_signature(params: Mapping[str, nn.Parameter]) -> tuple:
+    """Which gradient hooks each parameter has now (their identities): a program traced with other
+    hooks is stale ([Note: gradient hooks on parameters])."""
+    return tuple((f, tuple(map(id, (p._backward_hooks or {}).values())),
+                  bool(getattr(p, "_post_accumulate_grad_hooks", None)))
+                 for f, p in params.items() if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Optional[Mapping[str, Any]],
                  param_dtype: Optional[torch.dtype], forward_only: bool, trainable: Optional[Collection[str]],
                  device: Any, scopes: Collection[str]) -> TracedJoint:
@@ -437,10 +480,14 @@ def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Option
 
     fp, fb, fi = fresh_args()
     n_p, n_b, n_i = len(fp), len(fb), len(fi)
+    hooks = gradient_hooks(params, wanted)
 
     def joint(*flat: torch.Tensor) -> list:
         p, b = list(flat[:n_p]), list(flat[n_p : n_p + n_b])
         x, g = list(flat[n_p + n_b : n_p + n_b + n_i]), list(flat[n_p + n_b + n_i :])
+        for fqn, stand_in in zip(param_fqns, p):  # ([Note: gradient hooks on parameters])
+            for hook in hooks.get(fqn, ()):
+                stand_in.register_hook(functools.partial(_run_hook, hook_key(hook)))
         with torch.enable_grad():
             outs = [o for o in output_leaves(forward(p, b, x))[0] if isinstance(o, torch.Tensor)]
             diff_outs = [o for o, d in zip(outs, differentiable) if d]

@@ -46,6 +46,7 @@ from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.parameter_offload import ParameterOffload, give_external_parameters
 from fxzero.runtime.user_module import UserModule
+from fxzero.trace import hooks_signature
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
@@ -107,6 +108,7 @@ class Engine(EngineSurface):
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
         self._stepping: Optional[Runners] = None  # the last program with a backward: what step() runs
+        self._hooks_seen: tuple = ()
         self.optimizer = optimizer
         optimizer.attach(self)  # (its state_dict is this engine's shards: [Note: the optimizer's own state dict])
         self._group_of = group_of
@@ -339,7 +341,9 @@ class Engine(EngineSurface):
     def _call(self, args: tuple, kwargs: dict) -> Any:
         self._user.writes.take()  # (the user's writes into the module since the engine last set it)
         leaves, spec = flatten_call(args, kwargs)
-        if self._requires_grad.changed(self.rank):
+        hooks = hooks_signature(self._user.params)
+        if self._requires_grad.changed(self.rank) or hooks != self._hooks_seen:
+            self._hooks_seen = hooks  # ([Note: gradient hooks on parameters] in fxzero/trace.py)
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
             self._probes.clear()
         family = self._key(leaves, spec)
@@ -641,6 +645,7 @@ class Engine(EngineSurface):
                 f"[rank {self.rank}] step() found no gradient for units {missing}: call "
                 "engine.backward(loss) after the forward and before step()"
             )
+        self.optimizer.check_group_count()
         update = self.control.agree(self.layouts)
         self._step_applied = update
         if update:

@@ -131,10 +131,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, policy: OptimizerPolicy, groups: list[dict]) -> None:
         for i, group in enumerate(groups):
             _check_options(group, policy.HYPERPARAMETERS, policy, f"param group {i}")
+        self._built = False
         super().__init__([{"params": [torch.empty(0)], **g} for g in groups], policy.defaults())
+        self._built = True
+        self._planned_groups = len(groups)
         self.policy = policy
         self._engine_steps = False
         self.check_groups()
+
+    _ADDED = ("the engine was built: fxzero plans each parameter's unit, gradient and optimizer state when it "
+              "builds the engine, so the parameters of a group added now would never be trained. Give every group to "
+              "fxzero.initialize (model_parameters=[{'params': ..., 'lr': ...}, ...]) or to the optimizer passed to "
+              "it; a group's hyperparameters may change at any time through optimizer.param_groups[i]")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_built", False):  # (torch's __init__ adds the groups it was given)
+            return super().add_param_group(param_group)
+        raise RuntimeError(f"optimizer.add_param_group after {self._ADDED}")
+
+    def check_group_count(self) -> None:
+        """Before each update: no group was added (to a client optimizer whose groups this one shares)."""
+        if len(self.param_groups) != self._planned_groups:
+            raise RuntimeError(f"the optimizer has {len(self.param_groups)} param groups, {self._planned_groups} when "
+                               f"{self._ADDED}")
 
     def check_groups(self) -> None:
         """Every group's options within what the policy's states allow (a schedule may have set them)."""

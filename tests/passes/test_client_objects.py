@@ -302,3 +302,20 @@ def test_requires_grad_changed_inside_an_accumulation_updates_as_torch():
                                            r"that skipped them"):
         engine(batches[0][0])
 
+
+
+def test_a_param_group_added_after_initialize_is_refused_not_left_untrained():
+    """torch's `add_param_group` on the engine's optimizer, or on the client optimizer whose groups
+    the engine shares: the added parameters would never be trained (fxzero planned its units when
+    it built the engine), so either is an error naming the way that works. Before, both were
+    accepted and the parameters stayed as they were."""
+    model = _net()
+    client = torch.optim.SGD(model.blocks.parameters(), lr=0.1)
+    engine, optimizer, _, _ = fxzero.initialize(model=model, optimizer=client, config=DS)
+    with pytest.raises(RuntimeError, match=r"add_param_group after the engine was built: .* would never be trained"):
+        optimizer.add_param_group({"params": list(model.head.parameters()), "lr": 0.5})
+    client.add_param_group({"params": list(model.head.parameters()), "lr": 0.5})
+    x, _ = _batches(1)[0]
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(RuntimeError, match=r"has 2 param groups, 1 when the engine was built"):
+        engine.step()
