@@ -57,10 +57,20 @@ class StatefulForward(ValueError):
         return self
 
 
-def _own_state(module: nn.Module):
+def _own_state(module: nn.Module, seen: set[int]):
+    """The module's own attributes, and the scalar settings of an object it holds (a Hugging Face
+    config's `use_cache`, `pad_token_id`: forwards read them at every call), under "attr.setting",
+    once per object (`seen`: the ids of those listed already; a config every layer holds is listed
+    at its first holder)."""
     for name, value in vars(module).items():  # (methods and functions set on it are behaviour, not state)
         if name not in _MODULE_INTERNALS and not isinstance(value, (torch.Tensor, nn.Module)) and not callable(value):
             yield name, value
+            settings = getattr(value, "__dict__", None)
+            if isinstance(settings, dict) and not _plain(value) and not isinstance(value, type) and id(value) not in seen:
+                seen.add(id(value))
+                for setting, v in list(settings.items()):
+                    if isinstance(v, _PLAIN_SCALARS):
+                        yield f"{name}.{setting}", v
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -80,8 +90,9 @@ def _plain(value: Any, depth: int = 0) -> bool:
 
 def snapshot(model: nn.Module) -> Snapshot:
     """Each module's own attributes: the object, and a copy where it is plain data."""
+    seen: set[int] = set()
     return {(fqn, name): (value, copy.deepcopy(value) if _plain(value) else None)
-            for fqn, module in model.named_modules() for name, value in _own_state(module)}
+            for fqn, module in model.named_modules() for name, value in _own_state(module, seen)}
 
 
 def _differs(old: "tuple[Any, Any] | None", new: "tuple[Any, Any] | None") -> bool:
@@ -133,9 +144,15 @@ def restore(model: nn.Module, before: Snapshot) -> None:
         if not _differs(old, new):
             continue
         fqn, name = key
+        owner: Any = modules[fqn]
+        holder, _, name = name.rpartition(".")  # (a setting of an object the module holds: "config.use_cache")
+        if holder:
+            owner = getattr(owner, holder, None)
+            if owner is None:
+                continue
         if old is None:
-            delattr(modules[fqn], name)
+            delattr(owner, name)
         elif new is not None and old[0] is new[0] and old[1] is not None:  # (changed in place: its copy)
-            setattr(modules[fqn], name, copy.deepcopy(old[1]))
+            setattr(owner, name, copy.deepcopy(old[1]))
         else:
-            setattr(modules[fqn], name, old[0])
+            setattr(owner, name, old[0])

@@ -349,7 +349,7 @@ def gradient_hooks(params: Mapping[str, nn.Parameter], wanted: Collection[str]) 
     per hook, on the gradient as computed, in the order registered, and at run time the node calls
     the user's function on the real gradient (so a mask it closes over, Python, logging all run as
     under torch; under mixed precision it sees the compute-dtype gradient, as under DeepSpeed's
-    cast model). The engine traces again when a parameter's hooks change (`hooks_signature`). A
+    cast model). The engine traces again when a parameter's hooks change (`hook_ops.hooks_signature`). A
     parameter that requires no gradient gets none and its hooks do not run, as in torch.
 
     Hooks that run after the gradient is accumulated into `.grad`
@@ -368,14 +368,6 @@ def gradient_hooks(params: Mapping[str, nn.Parameter], wanted: Collection[str]) 
 
 def _run_hook(key: int, grad: torch.Tensor) -> torch.Tensor:
     return torch.ops.fxzero.grad_hook(grad, key)
-
-
-def hooks_signature(params: Mapping[str, nn.Parameter]) -> tuple:
-    """Which gradient hooks each parameter has now (their identities): a program traced with other
-    hooks is stale ([Note: gradient hooks on parameters])."""
-    return tuple((f, tuple(map(id, (p._backward_hooks or {}).values())),
-                  bool(getattr(p, "_post_accumulate_grad_hooks", None)))
-                 for f, p in params.items() if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _trace_joint(model: nn.Module, example_inputs: Sequence[Any], kwargs: Optional[Mapping[str, Any]],

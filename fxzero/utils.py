@@ -124,7 +124,7 @@ def _bound(param: torch.Tensor, what: str) -> tuple[UserModule, str]:
     if found is None:
         raise TypeError(f"{what}: this tensor is not a parameter of a model an fxzero engine trains (pass one of "
                         "engine.module's parameters)")
-    found[0].writes.take()  # (the user's writes into the module first: [Note: writes into the user's module])
+    found[0].writes.take(check_parameters=False)  # (the user's writes into the module first: [Note: writes into the user's module])
     return found
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
+import torch.nn as nn
 
-__all__ = ["grad_hook", "hook_key"]
+__all__ = ["grad_hook", "hook_key", "hooks_signature"]
 
 _HOOKS: "weakref.WeakValueDictionary[int, Callable]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -52,3 +53,11 @@ def grad_hook(grad: torch.Tensor, key: int) -> torch.Tensor:
 @grad_hook.register_fake
 def _(grad: torch.Tensor, key: int) -> torch.Tensor:
     return torch.empty_like(grad)
+
+
+def hooks_signature(params: Mapping[str, nn.Parameter]) -> tuple:
+    """Which gradient hooks each parameter has now (their identities): a program traced with other
+    hooks is stale ([Note: gradient hooks on parameters] in `fxzero/trace.py`)."""
+    return tuple((f, tuple(map(id, (p._backward_hooks or {}).values())),
+                  bool(getattr(p, "_post_accumulate_grad_hooks", None)))
+                 for f, p in params.items() if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))

@@ -26,6 +26,7 @@ import torch.nn as nn
 from fxzero.config import Config
 from fxzero.config.batch import BatchSizes
 from fxzero._compat import maybe_mark_dynamic, pytree
+from fxzero.ir.hook_ops import hooks_signature
 from fxzero.ir.instruction import Instruction
 from fxzero.ir.signature import flatten_call
 from fxzero.runtime.activation_store import ActivationStore
@@ -46,7 +47,7 @@ from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.parameter_offload import ParameterOffload, give_external_parameters
 from fxzero.runtime.user_module import UserModule
-from fxzero.trace import hooks_signature
+from fxzero.module_state import changed, snapshot
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
@@ -136,6 +137,9 @@ class Engine(EngineSurface):
         forwards (evaluation) run. None: the config's optimizer."""
         self._eager: set = set()  # program keys whose forward the trace cannot follow: run eagerly
         self._warned_eager = False
+        self._module_state = None  # the modules' attributes after the last call ([Note: module attributes changed after compile])
+        self._traced_or_eager = False
+        self._warned_state = False
         self._eager_forward = False  # a forward ran eagerly since the last backward (on every rank alike)
         self._probes: dict[tuple, Runners] = {}  # ([Note: gradients from outside the program])
         self._step_applied = False
@@ -226,6 +230,7 @@ class Engine(EngineSurface):
                 return alias
 
             args, kwargs = pytree.tree_map(marked, (tuple(args), dict(kwargs)))
+        self._traced_or_eager = True  # (a trace runs the forward's Python)
         try:
             # Under no_grad: a forward-only program ([Note: forward-only programs]).
             compiled = self._compile(args, kwargs, not torch.is_grad_enabled())  # (on this rank alone: see _agree)
@@ -342,12 +347,44 @@ class Engine(EngineSurface):
         self._user.writes.take()  # (the user's writes into the module since the engine last set it)
         leaves, spec = flatten_call(args, kwargs)
         hooks = hooks_signature(self._user.params)
-        if self._requires_grad.changed(self.rank) or hooks != self._hooks_seen:
+        retrace = [self._requires_grad.changed(self.rank), hooks != self._hooks_seen, self._module_state_changed()]
+        if any(retrace):
             self._hooks_seen = hooks  # ([Note: gradient hooks on parameters] in fxzero/trace.py)
             self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
             self._probes.clear()
+        try:
+            return self._call_program(args, kwargs, leaves, spec)
+        finally:
+            if self._traced_or_eager:  # (a trace's first run, or the model run as it is, may set attributes)
+                self._module_state = snapshot(self._model)
+
+    def _module_state_changed(self) -> bool:
+        """[Note: module attributes changed after compile]
+        A program repeats what the traced call's Python read: a module attribute (Dropout's `p`, a
+        temperature `self.tau`, a Hugging Face config's `use_cache` or `pad_token_id`) is a constant
+        of it. Changed by the user between calls, the programs would go on computing with the old
+        value, without a word. So the modules' own attributes (`fxzero/module_state.py`) are compared
+        before each call with what they were after the last one, and a change clears the programs:
+        the call traces again with the new values (said once, naming them: an attribute changed
+        every step traces every step; pass such a value as an input, or keep it in a buffer). A
+        change the forward makes itself, run eagerly ([Note: a forward that changes its module's
+        state]), happens inside a call and is not one."""
+        now = snapshot(self._model)
+        before, self._module_state = self._module_state, now
+        self._traced_or_eager = False
+        moved = changed(before, now) if before is not None else []
+        if moved and not self._warned_state:
+            self._warned_state = True
+            warnings.warn(f"[rank {self.rank}] {'; '.join(moved[:3])}{' ...' if len(moved) > 3 else ''} changed since "
+                          "the last call: fxzero traces the model's programs again for the new values (the traced "
+                          "programs hold the values they were traced with). A value changed every step traces every "
+                          "step: pass it as an input, or keep it in a buffer", stacklevel=4)
+        return bool(moved)
+
+    def _call_program(self, args: tuple, kwargs: dict, leaves: list, spec: Any) -> Any:
         family = self._key(leaves, spec)
         if family in self._eager:
+            self._traced_or_eager = True
             return self._eager_call(args, kwargs)
         try:
             runners = self._runners_for(args, kwargs, leaves, spec)
@@ -355,6 +392,7 @@ class Engine(EngineSurface):
             if not getattr(e, "needs_values", False):
                 raise
             self._eager.add(family)
+            self._traced_or_eager = True
             if not self._warned_eager:
                 self._warned_eager = True
                 held = ("Every rank holds the whole parameters" if not self._user.placeholders() else

@@ -238,7 +238,7 @@ class EngineSurface:
         A collective: every rank calls it. Nothing in the files runs as code: a `client_state`
         holding objects other than plain data needs `trust_client_state=True` (see
         docs/checkpoints.md)."""
-        self._user.writes.take(refuse_lost=False)  # (a replaced buffer carried first, which the load may replace)
+        self._user.writes.take(refuse_lost=False, check_parameters=False)  # (a replaced buffer carried first)
         try:
             return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                               load_optimizer_states=load_optimizer_states,

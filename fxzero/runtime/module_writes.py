@@ -33,6 +33,9 @@ So:
   `modifier_rank`, `safe_set_full_fp32_param`). A write through `p.data` has a version counter
   of its own and is not seen: at fp32 ZeRO-1/2 it is in the master anyway (the parameter views
   it); elsewhere use one of the ways above.
+- A parameter object the engine does not hold (a module replaced or added after compile:
+  `model.head = nn.Linear(...)`, a LoRA layer injected) is an error at the next forward or step
+  naming it: the programs would compute with the old parameters.
 - A buffer the user replaces (`module.scale = torch.full(...)`, a non-persistent buffer assigned
   again) has its value copied into the engine's buffer, which the programs read, and the module
   points at the engine's again; a replacement of another shape is an error (the programs were
@@ -98,11 +101,14 @@ class ModuleWrites:
     # -- in-place writes and replaced buffers --------------------------------------------------
 
     @torch.no_grad()
-    def take(self, refuse_lost: bool = True) -> None:
+    def take(self, refuse_lost: bool = True, check_parameters: bool = True) -> None:
         """Carry the user's writes since the engine last set the parameters into the engine
         (before a forward, a step, a state API). `refuse_lost=False` (before a checkpoint's load,
-        which replaces them): a write into a placeholder is forgotten, not an error."""
+        which replaces them): a write into a placeholder is forgotten, not an error.
+        `check_parameters`: refuse parameters the engine does not hold (where it runs programs)."""
         user = self.user
+        if check_parameters:
+            self._check_parameters()
         user.bind_buffers()  # (a replaced buffer's value into the engine's)
         written = [fqn for fqn, p in user.params.items()
                    if not user.gathered_now(fqn) and p._version != self.versions.get(fqn, p._version)]
@@ -122,6 +128,25 @@ class ModuleWrites:
                 "or write inside `with fxzero.zero.GatheredParameters(params, modifier_rank=0):`")
         if written:
             self.install({fqn: user.params[fqn].detach().clone() for fqn in written}, keep_equal=True)
+
+    def _check_parameters(self) -> None:
+        """The model's parameters are the ones the engine was built with: a module replaced after
+        compile (`model.head = nn.Linear(...)`, a LoRA layer injected, `resize_token_embeddings`)
+        brings parameters the engine holds nothing of, which the programs would never read (they
+        computed with the old ones, without a word)."""
+        user = self.user
+        now = dict(user.model.named_parameters(remove_duplicate=True))
+        if now.keys() == user.params.keys() and all(now[f] is p for f, p in user.params.items()):
+            return
+        replaced = sorted(f for f in now.keys() & user.params.keys() if now[f] is not user.params[f])
+        new, gone = sorted(now.keys() - user.params.keys()), sorted(user.params.keys() - now.keys())
+        said = "; ".join(f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}" for what, names in
+                         (("replaced", replaced), ("new", new), ("gone", gone)) if names)
+        raise RuntimeError(
+            f"[rank {user.comm.rank}] the model's parameters changed after compile ({said}): a module replaced or "
+            "added (model.head = nn.Linear(...), a LoRA layer, resize_token_embeddings) brings parameters the engine "
+            "holds no state of, and its programs would go on computing with the old ones. Change the model before "
+            "fxzero.initialize / fxzero.compile, or build a new engine for the changed model")
 
     @torch.no_grad()
     def install(self, values: dict[str, torch.Tensor], keep_equal: bool) -> None:

@@ -319,7 +319,7 @@ class UserModule:
         if self._outer is None or prefix == "":  # (the outermost call; a stale one from an error is replaced)
             self._outer = (id(module), prefix, keep_vars)
             if not keep_vars:
-                self.writes.take()
+                self.writes.take(check_parameters=False)  # (a replaced module's parameters are its own)
 
     def _state_dict_post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if self._outer is None or self._outer[:2] != (id(module), prefix):

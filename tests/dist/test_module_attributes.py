@@ -1,0 +1,140 @@
+"""Module attributes the user changes between calls (a temperature annealed every step, Dropout's
+`p`, a Hugging Face config's `output_hidden_states`) are what the next call computes with, on 2
+ranks ([Note: module attributes changed after compile] in `fxzero/runtime/engine.py`).
+
+Before, the programs held the values they were traced with: a temperature annealed by the
+training loop stayed at its first value, a Dropout whose `p` was raised kept dropping nothing,
+without a word. The reference is eager PyTorch making the same changes between the same steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxzero
+from tests.dist.harness import run_ranks
+from tests.dist.reference import assert_state_close
+
+pytestmark = pytest.mark.timeout(300)
+
+WORLD, STEPS = 2, 4
+
+
+class Tempered(nn.Module):
+    """Logits divided by a temperature the loop anneals; a Dropout whose rate the loop sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.0)
+        self.tau = 1.0
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.drop(torch.tanh(self.body(x)))) / self.tau, y)
+
+
+def _model() -> Tempered:
+    torch.manual_seed(0)
+    return Tempered()
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(3, 6, generator=g), torch.randint(0, 4, (3,), generator=g)
+
+
+def _anneal(model: Tempered, step: int) -> None:
+    model.tau = 1.0 / (1 + step)  # (every step: each traces again)
+    if step == STEPS - 1:
+        model.drop.p = 1.0  # (drops everything: the head sees zeros, deterministically)
+
+
+def _eager() -> tuple[list[float], dict]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        _anneal(model, step)
+        batches = [_batch(step, r) for r in range(WORLD)]
+        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run(rank: int, world_size: int, stage: int) -> dict:
+    model = _model()
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.SGD(lr=0.1), cost_model=None))
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            _anneal(model, step)
+            loss = engine(*_batch(step, rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+    mean = torch.stack(losses)
+    torch.distributed.all_reduce(mean)
+    said = [str(w.message) for w in caught if "changed since the last call" in str(w.message)]
+    return {"losses": (mean / world_size).tolist(), "state": engine.full_state_dict(), "said": said}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_attributes_changed_between_steps_are_what_the_next_step_computes_with(stage):
+    want_losses, want_state = _eager()
+    for rank, got in enumerate(run_ranks(_run, WORLD, stage, timeout_s=240)):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=0, atol=1e-6)
+        assert_state_close(got["state"], want_state, f"rank {rank}", atol=1e-6)
+        assert len(got["said"]) == 1 and "tau (1.0 -> 0.5)" in got["said"][0], got["said"]  # (said once)
+
+
+def _hf_run(rank: int, world_size: int) -> dict:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    engine = fxzero.compile(transformers.GPT2LMHeadModel(config), fxzero.Config(stage=3, cost_model=None))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        before = engine(input_ids=ids).hidden_states
+        engine.module.config.output_hidden_states = True
+        after = engine(input_ids=ids).hidden_states
+    return {"before": before is None, "after": None if after is None else len(after)}
+
+
+def test_a_hugging_face_config_flag_set_after_compile_is_honoured():
+    for got in run_ranks(_hf_run, WORLD, timeout_s=240):
+        assert got == {"before": True, "after": 3}, got  # (the embeddings' output and each layer's)
+
+
+def _replaced_run(rank: int, world_size: int, stage: int) -> dict:
+    model = _model()
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.SGD(lr=0.1), cost_model=None))
+    engine.backward(engine(*_batch(0, rank)))
+    engine.step()
+    model.head = nn.Linear(16, 4)  # (re-headed after compile)
+    out = {"keys": sorted(model.state_dict())}  # (the model's own state dict still reads, the new head's its own)
+    for what, call in (("forward", lambda: engine(*_batch(1, rank))), ("step", engine.step)):
+        try:
+            call()
+            out[what] = None
+        except RuntimeError as e:
+            out[what] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_replaced_after_compile_is_refused_by_name(stage):
+    for got in run_ranks(_replaced_run, WORLD, stage, timeout_s=240):
+        assert got["keys"] == sorted(_model().state_dict())
+        for what in ("forward", "step"):
+            assert "parameters changed after compile (replaced ['head.bias', 'head.weight'])" in got[what], got[what]
