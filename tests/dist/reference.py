@@ -28,6 +28,7 @@ __all__ = [
     "clone_state_dict",
     "default_unit_numels",
     "eager_cnn_reference",
+    "eager_data_parallel",
     "eager_gpt_reference",
     "eager_hf_losses",
     "hf_rows",
@@ -308,3 +309,24 @@ def eager_cnn_reference(
             opt.zero_grad()
         losses.append(step_losses)
     return {"losses": losses, "state_dicts": [clone_state_dict(m) for m in replicas]}
+
+
+def eager_data_parallel(model: nn.Module, opt: torch.optim.Optimizer, batch: Callable[[int, int], tuple],
+                        steps: int, world: int, before: Optional[Callable[[nn.Module, int], None]] = None
+                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Data parallelism over `world` ranks of a model without buffers its batch changes, in one
+    process: each step `before(model, step)` (the program's own changes between steps), then the
+    ranks' micro-batches `batch(step, rank)` concatenated (equal sizes: the mean of the ranks' mean
+    losses is the mean over all), one backward and one step of `opt`. The model returns its loss.
+    Returns the losses and the final state dict."""
+    losses = []
+    for step in range(steps):
+        if before is not None:
+            before(model, step)
+        parts = [batch(step, r) for r in range(world)]
+        loss = model(*(torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

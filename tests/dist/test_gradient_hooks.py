@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import fxzero
 from tests.dist.harness import run_ranks
-from tests.dist.reference import assert_state_close
+from tests.dist.reference import assert_state_close, eager_data_parallel
 from tests.dist.test_module_writes import WORLD, _batch, _net
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,13 +50,7 @@ def _hooks(model: nn.Module, step: int) -> None:
 def _eager() -> dict[str, torch.Tensor]:
     model = _net(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # (masked rows stay put)
-    for step in range(STEPS):
-        _hooks(model, step)
-        batches = [_batch(step, r) for r in range(WORLD)]
-        model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return eager_data_parallel(model, opt, _batch, STEPS, WORLD, _hooks)[1]
 
 
 CASES = {

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fxzero
 from tests.dist.harness import run_ranks
-from tests.dist.reference import assert_state_close
+from tests.dist.reference import assert_state_close, eager_data_parallel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,17 +56,7 @@ def _anneal(model: Tempered, step: int) -> None:
 
 def _eager() -> tuple[list[float], dict]:
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        _anneal(model, step)
-        batches = [_batch(step, r) for r in range(WORLD)]
-        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return eager_data_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1), _batch, STEPS, WORLD, _anneal)
 
 
 def _run(rank: int, world_size: int, stage: int) -> dict:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import fxzero
 from tests.dist.harness import run_ranks
-from tests.dist.reference import assert_state_close
+from tests.dist.reference import assert_state_close, eager_data_parallel
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,17 +82,8 @@ def _write(model: nn.Module, step: int, in_place: bool) -> None:
 
 def _eager(in_place: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _net(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        _write(model, step, in_place)
-        batches = [_batch(step, r) for r in range(WORLD)]
-        loss = model(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return eager_data_parallel(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _batch, STEPS, WORLD,
+                               lambda m, step: _write(m, step, in_place))
 
 
 def _fp32_run(rank: int, world_size: int, stage: int, offload: str, where: str) -> dict:
