@@ -95,6 +95,25 @@ def snapshot(model: nn.Module) -> Snapshot:
             for fqn, module in model.named_modules() for name, value in _own_state(module, seen)}
 
 
+def fingerprint(snap: Snapshot) -> tuple:
+    """A hashable summary of a snapshot: equal for two snapshots between which `changed` sees no
+    change (plain data by value, other objects by identity)."""
+    return tuple(sorted((key, _frozen(copy_) if copy_ is not None else ("id", id(obj)))
+                        for key, (obj, copy_) in snap.items()))
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return ("nan",)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_frozen, value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", frozenset(map(_frozen, value)))
+    if isinstance(value, dict):
+        return ("dict", *((_frozen(k), _frozen(v)) for k, v in value.items()))
+    return (type(value).__name__, value)
+
+
 def _differs(old: "tuple[Any, Any] | None", new: "tuple[Any, Any] | None") -> bool:
     if old is None or new is None:
         return True

@@ -47,7 +47,7 @@ from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.parameter_offload import ParameterOffload, give_external_parameters
 from fxzero.runtime.user_module import UserModule
-from fxzero.module_state import changed, snapshot
+from fxzero.module_state import changed, fingerprint, snapshot
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
@@ -109,7 +109,6 @@ class Engine(EngineSurface):
         self._record: Optional[list] = None  # the recorded timeline, while recording
         self._last: Optional[Runners] = None
         self._stepping: Optional[Runners] = None  # the last program with a backward: what step() runs
-        self._hooks_seen: tuple = ()
         self.optimizer = optimizer
         optimizer.attach(self)  # (its state_dict is this engine's shards: [Note: the optimizer's own state dict])
         self._group_of = group_of
@@ -140,6 +139,8 @@ class Engine(EngineSurface):
         self._module_state = None  # the modules' attributes after the last call ([Note: module attributes changed after compile])
         self._traced_or_eager = False
         self._warned_state = False
+        self._by_state: dict[tuple, tuple] = {}  # a state's programs, set aside while another is current
+        self._state_key: Optional[tuple] = None  # (module attributes, requires_grad, gradient hooks) now
         self._eager_forward = False  # a forward ran eagerly since the last backward (on every rank alike)
         self._probes: dict[tuple, Runners] = {}  # ([Note: gradients from outside the program])
         self._step_applied = False
@@ -346,40 +347,52 @@ class Engine(EngineSurface):
     def _call(self, args: tuple, kwargs: dict) -> Any:
         self._user.writes.take()  # (the user's writes into the module since the engine last set it)
         leaves, spec = flatten_call(args, kwargs)
-        hooks = hooks_signature(self._user.params)
-        retrace = [self._requires_grad.changed(self.rank), hooks != self._hooks_seen, self._module_state_changed()]
-        if any(retrace):
-            self._hooks_seen = hooks  # ([Note: gradient hooks on parameters] in fxzero/trace.py)
-            self._cache.clear()  # traced again with the new frozen set ([Note: requires_grad after compile])
-            self._probes.clear()
+        self._follow_state()
         try:
             return self._call_program(args, kwargs, leaves, spec)
         finally:
             if self._traced_or_eager:  # (a trace's first run, or the model run as it is, may set attributes)
                 self._module_state = snapshot(self._model)
 
-    def _module_state_changed(self) -> bool:
+    def _follow_state(self) -> None:
         """[Note: module attributes changed after compile]
         A program repeats what the traced call's Python read: a module attribute (Dropout's `p`, a
-        temperature `self.tau`, a Hugging Face config's `use_cache` or `pad_token_id`) is a constant
-        of it. Changed by the user between calls, the programs would go on computing with the old
-        value, without a word. So the modules' own attributes (`fxzero/module_state.py`) are compared
-        before each call with what they were after the last one, and a change clears the programs:
-        the call traces again with the new values (said once, naming them: an attribute changed
-        every step traces every step; pass such a value as an input, or keep it in a buffer). A
+        temperature `self.tau`, a Hugging Face config's `use_cache` or `pad_token_id`, PEFT's
+        `disable_adapter()` flag) is a constant of it. Changed by the user between calls, the
+        programs would go on computing with the old value, without a word. So the modules' own
+        attributes (`fxzero/module_state.py`) are compared before each call with what they were
+        after the last one; a change, as one of the parameters' requires_grad ([Note: requires_grad
+        after compile]) or of their gradient hooks ([Note: gradient hooks on parameters] in
+        `fxzero/trace.py`), sets the programs of the old state aside and takes up those of the new
+        one (traced at their first call; an attribute's change is said once, naming it). So state
+        that alternates (PEFT's `disable_adapter()` for a reference forward, which also freezes the
+        adapters, and the policy's forward after it) traces once per state, and a value changed
+        every step traces every step (pass such a value as an input, or keep it in a buffer). A
         change the forward makes itself, run eagerly ([Note: a forward that changes its module's
         state]), happens inside a call and is not one."""
+        frozen_set = self._requires_grad.changed(self.rank)  # (raises for a change that cannot be exact)
+        hooks = hooks_signature(self._user.params)
         now = snapshot(self._model)
         before, self._module_state = self._module_state, now
         self._traced_or_eager = False
         moved = changed(before, now) if before is not None else []
-        if moved and not self._warned_state:
+        if self._state_key is None:
+            self._state_key = (fingerprint(now), self._requires_grad.signature(), hooks)
+        if not (frozen_set or hooks != self._state_key[2] or moved):
+            return
+        key = (fingerprint(now), self._requires_grad.signature(), hooks)
+        self._by_state[self._state_key] = (self._cache, self._probes)
+        while len(self._by_state) > _STATES_KEPT:
+            self._by_state.pop(next(iter(self._by_state)))
+        kept = self._by_state.pop(key, None)
+        self._cache, self._probes = kept if kept is not None else (collections.OrderedDict(), {})
+        self._state_key = key
+        if moved and kept is None and not self._warned_state:
             self._warned_state = True
             warnings.warn(f"[rank {self.rank}] {'; '.join(moved[:3])}{' ...' if len(moved) > 3 else ''} changed since "
                           "the last call: fxzero traces the model's programs again for the new values (the traced "
                           "programs hold the values they were traced with). A value changed every step traces every "
-                          "step: pass it as an input, or keep it in a buffer", stacklevel=4)
-        return bool(moved)
+                          "step: pass it as an input, or keep it in a buffer", stacklevel=5)
 
     def _call_program(self, args: tuple, kwargs: dict, leaves: list, spec: Any) -> Any:
         family = self._key(leaves, spec)
@@ -724,6 +737,9 @@ class Engine(EngineSurface):
         if self._stash is not None:
             self._stash.close()
 
+
+_STATES_KEPT = 4
+"""How many other module states' programs an engine keeps ([Note: module attributes changed after compile])."""
 
 DeepSpeedEngine = Engine
 """DeepSpeed's name for it: `deepspeed.runtime.engine` is this module under `fxzero run`

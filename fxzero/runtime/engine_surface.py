@@ -157,6 +157,7 @@ class EngineSurface:
         call, made by `convert_to_random_ltd`); programs traced before are traced again."""
         self._require_random_ltd("random_ltd_initialize()").initialize(self._model)
         self._cache.clear()
+        self._by_state.clear()  # (every state's programs: [Note: module attributes changed after compile])
 
     def _require_random_ltd(self, what: str) -> RandomLTDRouting:
         if self._random_ltd is None:

@@ -63,6 +63,10 @@ class RequiresGradWatch:
         """An optimizer step updated every trained parameter but `skipped` (no gradient in its accumulation)."""
         self._skipped.update(skipped & self._trained)
 
+    def signature(self) -> tuple[bool, ...]:
+        """Each parameter's requires_grad as last seen: what a program was traced for."""
+        return tuple(self._seen.values())
+
     def changed(self, rank: int) -> bool:
         """Whether requires_grad changed since the last forward (then the programs must be traced
         again); raises RuntimeError for a change that cannot be honoured exactly."""

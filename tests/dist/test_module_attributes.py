@@ -128,3 +128,42 @@ def test_a_module_replaced_after_compile_is_refused_by_name(stage):
         assert got["keys"] == sorted(_model().state_dict())
         for what in ("forward", "step"):
             assert "parameters changed after compile (replaced ['head.bias', 'head.weight'])" in got[what], got[what]
+
+
+def _adapters_run(rank: int, world_size: int) -> dict:
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+    engine = fxzero.compile(model, fxzero.Config(stage=3, optimizer=fxzero.AdamW(lr=1e-2), cost_model=None))
+    traces, compile_program = [0], engine._compile
+
+    def counted(*args, **kwargs):
+        traces[0] += 1
+        return compile_program(*args, **kwargs)
+
+    engine._compile = counted
+    reference = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # (DPO's reference forward through the same model, adapters off; then the policy's)
+            with torch.no_grad(), model.disable_adapter():
+                reference.append(engine(input_ids=ids).logits)
+            loss = engine(input_ids=ids).logits.float().square().mean()
+            engine.backward(loss)
+            engine.step()
+    return {"first": torch.equal(reference[0], want), "traces": traces[0]}
+
+
+def test_peft_adapters_toggled_every_step_trace_once_per_state():
+    got = run_ranks(_adapters_run, 1, timeout_s=240)[0]
+    assert got["first"]  # (adapters off: the base model's logits)
+    assert got["traces"] == 2, got  # (adapters off, under no_grad; on, with its backward: each traced once)
