@@ -95,6 +95,22 @@ def snapshot(model: nn.Module) -> Snapshot:
             for fqn, module in model.named_modules() for name, value in _own_state(module, seen)}
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def module_hooks(model: nn.Module) -> tuple:
+    """The hooks on the model's modules (forward, forward-pre, backward, backward-pre) and torch's
+    global module hooks, by identity: a program traced with other hooks computes what they did
+    (a forward hook is part of the forward the trace follows), so it is stale."""
+    from torch.nn.modules import module as torch_module
+
+    per_module = tuple((fqn, tuple(tuple(map(id, getattr(m, d).values())) for d in _HOOK_DICTS))
+                       for fqn, m in model.named_modules() if any(getattr(m, d) for d in _HOOK_DICTS))
+    global_hooks = tuple(tuple(map(id, getattr(torch_module, name, {}).values())) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
+    return per_module, global_hooks
+
+
 def fingerprint(snap: Snapshot) -> tuple:
     """A hashable summary of a snapshot: equal for two snapshots between which `changed` sees no
     change (plain data by value, other objects by identity)."""

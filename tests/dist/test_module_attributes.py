@@ -167,3 +167,33 @@ def test_peft_adapters_toggled_every_step_trace_once_per_state():
     got = run_ranks(_adapters_run, 1, timeout_s=240)[0]
     assert got["first"]  # (adapters off: the base model's logits)
     assert got["traces"] == 2, got  # (adapters off, under no_grad; on, with its backward: each traced once)
+
+
+def _halve(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output * 0.5
+
+
+def _hooks(model: Tempered, step: int) -> None:
+    """A forward hook added after two steps (as a callback adds NEFTune's noise hook), removed after three."""
+    if step == 2:
+        model._halving = model.body.register_forward_hook(_halve)
+    if step == 3:
+        model._halving.remove()
+
+
+def _hooks_run(rank: int, world_size: int, stage: int) -> dict:
+    model = _model()
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, optimizer=fxzero.SGD(lr=0.1), cost_model=None))
+    for step in range(STEPS + 1):
+        _hooks(model, step)
+        engine.backward(engine(*_batch(step, rank)))
+        engine.step()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_forward_hook_added_and_removed_after_compile_is_followed(stage):
+    model = _model()
+    _, want = eager_data_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1), _batch, STEPS + 1, WORLD, _hooks)
+    for rank, got in enumerate(run_ranks(_hooks_run, WORLD, stage, timeout_s=240)):
+        assert_state_close(got, want, f"rank {rank}", atol=1e-6)
