@@ -47,7 +47,7 @@ from fxzero.runtime.optim import WholeSums, optim_step
 from fxzero.runtime.state import RankState, storage_bytes
 from fxzero.runtime.parameter_offload import ParameterOffload, give_external_parameters
 from fxzero.runtime.user_module import UserModule
-from fxzero.module_state import changed, fingerprint, module_hooks, snapshot
+from fxzero.module_state import changed, fingerprint, observe, snapshot
 from fxzero.runtime.storage.pool import BufferPool
 from fxzero.schedule.validate import collective_sequence, sequence_digest
 from fxzero.schedule.compiled import CompiledProgram
@@ -363,8 +363,8 @@ class Engine(EngineSurface):
         attributes (`fxzero/module_state.py`) are compared before each call with what they were
         after the last one; a change, as one of the parameters' requires_grad ([Note: requires_grad
         after compile]), of their gradient hooks ([Note: gradient hooks on parameters] in
-        `fxzero/trace.py`) or of the modules' forward and backward hooks (added or removed after
-        compile: NEFTune's noise hook, a feature extractor's), sets the programs of the old state aside and takes up those of the new
+        `fxzero/trace.py`) or of what the modules run (hooks added or removed after compile:
+        NEFTune's noise hook; `model.forward` replaced; a class's forward patched), sets the programs of the old state aside and takes up those of the new
         one (traced at their first call; an attribute's change is said once, naming it). So state
         that alternates (PEFT's `disable_adapter()` for a reference forward, which also freezes the
         adapters, and the policy's forward after it) traces once per state, and a value changed
@@ -372,8 +372,8 @@ class Engine(EngineSurface):
         change the forward makes itself, run eagerly ([Note: a forward that changes its module's
         state]), happens inside a call and is not one."""
         frozen_set = self._requires_grad.changed(self.rank)  # (raises for a change that cannot be exact)
-        hooks = (hooks_signature(self._user.params), module_hooks(self._model))
-        now = snapshot(self._model)
+        now, code = observe(self._model)
+        hooks = (hooks_signature(self._user.params), code)
         before, self._module_state = self._module_state, now
         self._traced_or_eager = False
         moved = changed(before, now) if before is not None else []
