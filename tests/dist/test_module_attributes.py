@@ -197,3 +197,40 @@ def test_a_forward_hook_added_and_removed_after_compile_is_followed(stage):
     _, want = eager_data_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1), _batch, STEPS + 1, WORLD, _hooks)
     for rank, got in enumerate(run_ranks(_hooks_run, WORLD, stage, timeout_s=240)):
         assert_state_close(got, want, f"rank {rank}", atol=1e-6)
+
+
+def _steady_run(rank: int, world_size: int) -> dict:
+    import types
+
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    engine = fxzero.compile(model, fxzero.Config(stage=3, optimizer=fxzero.AdamW(lr=1e-2), cost_model=None))
+    traces, compile_program = [0], engine._compile
+
+    def counted(*args, **kwargs):
+        traces[0] += 1
+        return compile_program(*args, **kwargs)
+
+    engine._compile = counted
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # (train, then generate from the model directly, as an RLHF loop does)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+            with torch.no_grad():
+                model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0, synced_gpus=True)
+        steady = traces[0]
+        forward = model.transformer.forward
+        model.transformer.forward = types.MethodType(  # (a library replacing a module's forward on the instance)
+            lambda self, *a, **k: forward(*a, **k), model.transformer)
+        engine(input_ids=ids, labels=ids)
+    return {"steady": steady, "after_replacing_forward": traces[0]}
+
+
+def test_nothing_changed_traces_nothing_and_a_replaced_forward_traces_again():
+    for got in run_ranks(_steady_run, WORLD, timeout_s=240):
+        assert got == {"steady": 1, "after_replacing_forward": 2}, got
