@@ -289,8 +289,9 @@ class Engine(EngineSurface):
     def _agree(self, runners: Runners) -> None:
         """Every rank's program issues the same collectives ([Note: one collective sequence] in
         `fxzero/runtime/agreement.py`): one 8-byte all-gather per forward."""
-        agree(self.comm, runners.sequence, digest=runners.digest, timeout=self.config.collective_timeout,
-              where="the start of this forward (still in another program?)")
+        written = self._user.writes.announcements()  # ([Note: writes into the user's module])
+        agree(self.comm, runners.sequence + written, digest=None if written else runners.digest,
+              timeout=self.config.collective_timeout, where="the start of this forward (still in another program?)")
 
     @property
     def program(self) -> CompiledProgram:
@@ -434,7 +435,8 @@ class Engine(EngineSurface):
         """The model called as it is, on parameters that view what this rank holds ([Note:
         gradients from outside the program]); floating inputs cast to the compute dtype, as the
         traced programs cast them."""
-        agree(self.comm, ("the model's forward, run eagerly (no collectives)",), timeout=self.config.collective_timeout,
+        agree(self.comm, ("the model's forward, run eagerly (no collectives)", *self._user.writes.announcements()),
+              timeout=self.config.collective_timeout,
               where="the start of this forward (run eagerly here: do the other ranks run a program?)")
         self._eager_forward = True  # (on every rank alike: the next backward carries what it reaches)
         mp = self.config.mixed_precision

@@ -18,8 +18,10 @@ So:
   into the engine: the fp32 masters exactly (a bf16 or fp32 file's values, as torch's copy into
   an fp32 parameter would give them), the compute-dtype copies cast from them, on whatever tier
   each unit lives, for every stage. Each rank writes its own shard from its own state dict, so no
-  rank communicates, and every rank must load the same values (as with torch, where a parameter
-  loaded on one rank only differs from the others'). `strict`, the missing and unexpected keys
+  rank communicates then, and every rank must load the same values: the next forward's agreement
+  (the 8-byte all-gather every forward makes) compares a digest of what each rank wrote, and ranks
+  that differ (a state dict loaded on rank 0 only) get an error naming the parameter on every
+  rank, as do in-place writes of different values (`announcements`). `strict`, the missing and unexpected keys
   and shape errors are torch's own; `assign=True` keeps the parameter objects (the engine's), as
   it must. The optimizer states stay as they are, as torch's `load_state_dict` leaves them.
 - Any other in-place write through the parameter object (`nn.init.*_(p)`, `p.copy_(...)`,
@@ -45,10 +47,13 @@ So:
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
+
+from fxzero.schedule.validate import WRITTEN
 
 if TYPE_CHECKING:
     from fxzero.runtime.user_module import UserModule
@@ -63,6 +68,7 @@ class ModuleWrites:
         self.user = user
         self.versions: dict[str, int] = {}  # FQN -> the version counter as the engine last set it
         self._loading: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (outermost module's id, values)
+        self._announced: list[str] = []  # what this rank wrote since the last agreement (`announcements`)
         self._hooks = []
         pre, post = (lambda *a: self._load_pre_hook(*a)), (lambda *a: self._load_post_hook(*a))
         for module in user.model.modules():
@@ -148,6 +154,15 @@ class ModuleWrites:
             "holds no state of, and its programs would go on computing with the old ones. Change the model before "
             "fxzero.initialize / fxzero.compile, or build a new engine for the changed model")
 
+    def announcements(self) -> tuple[str, ...]:
+        """What this rank wrote since the last call, one line per parameter with a digest of its
+        values, for the forward's agreement: ranks that wrote different values (a state dict
+        loaded on rank 0 only, initializations drawn from each rank's own generator) are an error
+        on every rank naming the first parameter, never a model whose ranks compute with different
+        weights. Cleared as read."""
+        lines, self._announced = tuple(self._announced), []
+        return lines
+
     @torch.no_grad()
     def install(self, values: dict[str, torch.Tensor], keep_equal: bool) -> None:
         """Write full parameter values (FQN -> tensor of its shape) into the units holding them:
@@ -157,6 +172,10 @@ class ModuleWrites:
         change). Local: each rank writes from its own values."""
         user = self.user
         state, low_dtype = user.state, user.compute_dtype
+        for fqn in sorted(values):
+            raw = values[fqn].detach().contiguous().cpu()
+            digest = hashlib.blake2b(raw.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+            self._announced.append(f"{WRITTEN}{fqn} after compile (digest {digest})")
         for layout in state.layouts:
             slots = [s for s in layout.slots if s.fqn in values]
             if not slots:

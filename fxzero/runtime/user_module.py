@@ -103,8 +103,10 @@ def _set(param: nn.Parameter, value: torch.Tensor) -> None:
     if param.device == value.device:
         param.data = value
     else:
-        # (set_data cannot move a tensor between the meta device and memory: swap the objects' contents)
-        moved = nn.Parameter(value, requires_grad=param.requires_grad)
+        # (set_data cannot move a tensor between the meta device and memory: swap the objects' contents.
+        # `.data`: a version counter of its own, as set_data leaves the parameter's, so the engine's
+        # in-place updates of the buffer it views are not taken for the user's writes: module_writes.py)
+        moved = nn.Parameter(value.data, requires_grad=param.requires_grad)
         moved.__dict__.update(param.__dict__)
         torch.utils.swap_tensors(param, moved)
     if "ds_status" in param.__dict__:

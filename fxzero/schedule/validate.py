@@ -202,6 +202,18 @@ def first_difference(sequences: list[tuple[str, ...]], *, rank: int) -> RuntimeE
     if any(s and not s[0].startswith(("forward:", "backward:", "step:")) for s in (a, b)):
         hint = ("Gathering the model's parameters (model.state_dict() at ZeRO-3, fxzero.zero.GatheredParameters) "
                 "is a collective: call it on every rank at the same point, for the same module and parameters")
+    if any(at(s).startswith(WRITTEN) for s in (a, b)):  # ([Note: writes into the user's module])
+        wrote = lambda seq: at(seq) if at(seq).startswith(WRITTEN) else "no such write"  # noqa: E731
+        return RuntimeError(
+            f"[rank {rank}] the ranks wrote different values into the model after compile: ranks {ranks_a}: "
+            f"{wrote(a)}; ranks {ranks_b}: {wrote(b)}. Each rank computes with its own values, so every rank must make "
+            "the same writes: model.load_state_dict(sd) on every rank with the same state dict (fxzero broadcasts "
+            "nothing), initializations drawn alike on every rank, or a write inside "
+            "fxzero.zero.GatheredParameters(params, modifier_rank=0), which gives rank 0's values to every rank")
     return RuntimeError(
         f"[rank {rank}] the ranks' programs would issue different collectives, which would hang: at collective "
         f"{i}, ranks {ranks_a} issue {at(a)} and ranks {ranks_b} issue {at(b)}. {hint}")
+
+
+WRITTEN = "values written into "
+"""How the forward's agreement lines that announce a rank's writes into the model begin."""

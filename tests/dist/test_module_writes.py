@@ -255,3 +255,23 @@ def _buffer_shape_run(rank: int, world_size: int) -> str:
 def test_a_buffer_replaced_by_another_shape_is_refused_by_name():
     message = run_ranks(_buffer_shape_run, 1, timeout_s=120)[0]
     assert "'scale'" in message and "(8,)" in message and "(16,)" in message, message
+
+
+def _one_rank_loads_run(rank: int, world_size: int, stage: int) -> str:
+    model = _net(0)
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, cost_model=None))
+    if rank == 0:  # (a torch habit: load on rank 0, as before DDP broadcasts; fxzero broadcasts nothing)
+        model.load_state_dict(_new_values())
+    try:
+        engine(*_batch(0, rank))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_state_dict_loaded_on_one_rank_only_is_an_error_on_every_rank(stage):
+    for rank, message in enumerate(run_ranks(_one_rank_loads_run, WORLD, stage, timeout_s=120)):
+        assert "the ranks wrote different values into the model after compile: ranks [0]: values written into " \
+            "blocks.0.fc.bias after compile (digest" in message, (rank, message)
+        assert "ranks [1]: no such write" in message and "modifier_rank=0" in message
