@@ -37,7 +37,8 @@ So:
   it); elsewhere use one of the ways above.
 - A parameter object the engine does not hold (a module replaced or added after compile:
   `model.head = nn.Linear(...)`, a LoRA layer injected) is an error at the next forward or step
-  naming it: the programs would compute with the old parameters.
+  naming it: the programs would compute with the old parameters. So is a buffer registered or
+  removed after compile (a forward reading `getattr(self, "mask", None)` would never see it).
 - A buffer the user replaces (`module.scale = torch.full(...)`, a non-persistent buffer assigned
   again) has its value copied into the engine's buffer, which the programs read, and the module
   points at the engine's again; a replacement of another shape is an error (the programs were
@@ -69,6 +70,7 @@ class ModuleWrites:
         self.versions: dict[str, int] = {}  # FQN -> the version counter as the engine last set it
         self._loading: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (outermost module's id, values)
         self._announced: list[str] = []  # what this rank wrote since the last agreement (`announcements`)
+        self._buffers = {fqn for fqn, _ in user.model.named_buffers(remove_duplicate=False)}  # (as built)
         self._hooks = []
         pre, post = (lambda *a: self._load_pre_hook(*a)), (lambda *a: self._load_post_hook(*a))
         for module in user.model.modules():
@@ -141,6 +143,15 @@ class ModuleWrites:
         brings parameters the engine holds nothing of, which the programs would never read (they
         computed with the old ones, without a word)."""
         user = self.user
+        buffers = {fqn for fqn, _ in user.model.named_buffers(remove_duplicate=False)}
+        if buffers != self._buffers:
+            said = "; ".join(f"{what} {sorted(names)[:3]}" for what, names in
+                             (("new", buffers - self._buffers), ("gone", self._buffers - buffers)) if names)
+            raise RuntimeError(
+                f"[rank {user.comm.rank}] the model's buffers changed after compile ({said}): the engine holds the "
+                "buffers the model had when it was built, and its programs read those. Register buffers before "
+                "fxzero.initialize / fxzero.compile (a buffer's value may change at any time: in place, or by "
+                "assigning a tensor of its shape), or build a new engine for the changed model")
         now = dict(user.model.named_parameters(remove_duplicate=True))
         if now.keys() == user.params.keys() and all(now[f] is p for f, p in user.params.items()):
             return

@@ -234,3 +234,34 @@ def _steady_run(rank: int, world_size: int) -> dict:
 def test_nothing_changed_traces_nothing_and_a_replaced_forward_traces_again():
     for got in run_ranks(_steady_run, WORLD, timeout_s=240):
         assert got == {"steady": 1, "after_replacing_forward": 2}, got
+
+
+class ReadsExtra(nn.Module):
+    """A forward that reads a buffer if the model has one (`getattr(self, "extra", None)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        extra = getattr(self, "extra", None)
+        return self.lin(x) if extra is None else self.lin(x) + extra
+
+
+def _new_buffer_run(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = ReadsExtra()
+    engine = fxzero.compile(model, fxzero.Config(stage=1, cost_model=None))
+    x = torch.randn(2, 4)
+    engine(x)
+    model.register_buffer("extra", torch.full((3,), 5.0))
+    try:
+        engine(x)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_buffer_registered_after_compile_is_refused_by_name():
+    message = run_ranks(_new_buffer_run, 1, timeout_s=120)[0]
+    assert "the model's buffers changed after compile (new ['extra'])" in message, message
