@@ -59,7 +59,34 @@ from fxzero.schedule.validate import WRITTEN
 if TYPE_CHECKING:
     from fxzero.runtime.user_module import UserModule
 
-__all__ = ["ModuleWrites"]
+__all__ = ["EngineHook", "ModuleWrites"]
+
+
+class EngineHook:
+    """A hook the engine registers on the user's modules: calls `method`. torch marks hooks with
+    attributes, which a bound method cannot take; and pickling one (`torch.save(model)`, which
+    pickles the module with its hooks) is refused naming what to save instead: the module's
+    parameters are the engine's views, placeholders at ZeRO-3, so the file would not hold the
+    trained model."""
+
+    def __init__(self, method) -> None:
+        self.method = method
+
+    def __call__(self, *args: Any) -> Any:
+        return self.method(*args)
+
+    def __copy__(self) -> "EngineHook":
+        return self  # (as copy treats a function: `copy.deepcopy(model)` works as it did)
+
+    def __deepcopy__(self, memo: dict) -> "EngineHook":
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            "torch.save(model) / pickling the model after fxzero.compile: its parameters are views of what the "
+            "engine trains (placeholders with no values at ZeRO-3), so the file would not hold the trained model. "
+            "Save model.state_dict() (the trained values, gathered at ZeRO-3: call it on every rank), "
+            "engine.save_16bit_model(dir), or a checkpoint with engine.save_checkpoint(dir)")
 
 
 class ModuleWrites:
@@ -72,7 +99,7 @@ class ModuleWrites:
         self._announced: list[str] = []  # what this rank wrote since the last agreement (`announcements`)
         self._buffers = {fqn for fqn, _ in user.model.named_buffers(remove_duplicate=False)}  # (as built)
         self._hooks = []
-        pre, post = (lambda *a: self._load_pre_hook(*a)), (lambda *a: self._load_post_hook(*a))
+        pre, post = EngineHook(self._load_pre_hook), EngineHook(self._load_post_hook)
         for module in user.model.modules():
             self._hooks.append(module.register_load_state_dict_pre_hook(pre))
             self._hooks.append(module.register_load_state_dict_post_hook(post))

@@ -64,7 +64,7 @@ from fxzero.ir.layout import ParamSlot, UnitLayout
 from fxzero.leaf_modules import mark_leaf_parameters
 from fxzero.runtime.agreement import agree
 from fxzero.runtime.comm import Comm
-from fxzero.runtime.module_writes import ModuleWrites
+from fxzero.runtime.module_writes import EngineHook, ModuleWrites
 from fxzero.runtime.state import RankState
 
 __all__ = ["UserModule", "ZeroParamStatus", "binding_of"]
@@ -563,10 +563,10 @@ def _common_module(fqns: Iterable[str]) -> str:
     return ".".join(common)
 
 
-def _function(method):
-    """A plain function calling `method` (torch marks hooks with attributes, which a bound method
-    cannot take)."""
-    return lambda *args: method(*args)
+def _function(method) -> EngineHook:
+    """A hook calling `method` (`EngineHook`: torch marks hooks with attributes, which a bound
+    method cannot take; pickling the model is refused naming what to save)."""
+    return EngineHook(method)
 
 
 def _named_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Module, str]]:

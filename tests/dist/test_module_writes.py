@@ -12,6 +12,8 @@ same steps (torch.optim.AdamW, the global batch in one process).
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -275,3 +277,28 @@ def test_a_state_dict_loaded_on_one_rank_only_is_an_error_on_every_rank(stage):
         assert "the ranks wrote different values into the model after compile: ranks [0]: values written into " \
             "blocks.0.fc.bias after compile (digest" in message, (rank, message)
         assert "ranks [1]: no such write" in message and "modifier_rank=0" in message
+
+
+def _pickle_run(rank: int, world_size: int, stage: int) -> dict:
+    import copy
+
+    model = _net(0)
+    engine = fxzero.compile(model, fxzero.Config(stage=stage, cost_model=None))
+    out = {"deepcopy": type(copy.deepcopy(model)).__name__}  # (as before: an EMA copy, say)
+    try:
+        torch.save(model, io.BytesIO())
+        out["save"] = None
+    except TypeError as e:
+        out["save"] = str(e)
+    out["runs"] = bool(torch.isfinite(engine(*_batch(0, rank))))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pickling_the_model_after_compile_is_refused_naming_what_to_save(stage):
+    """`torch.save(model)` pickles the module, whose parameters are the engine's views
+    (placeholders at ZeRO-3): the file would not hold the trained model. Before, it failed with
+    "Can't pickle local object '_function.<locals>.<lambda>'"."""
+    got = run_ranks(_pickle_run, 1, stage, timeout_s=120)[0]
+    assert got["deepcopy"] == "Net" and got["runs"]
+    assert "would not hold the trained model" in got["save"] and "model.state_dict()" in got["save"], got["save"]
